@@ -1,0 +1,21 @@
+//! prefix-index: the string server's core, without HTTP.
+//!
+//! A request string is cut into fixed-size byte chunks; every prefix is named by a chained
+//! 64-bit hash ([`PrefixHasher`]). A [`PrefixStore`] remembers, per server, which prefixes were
+//! recently sent there (`notify`) and answers which candidate holds the longest prefix of a new
+//! request (`query`), with a per-server LRU capacity. See `DESIGN.md` for the idea.
+
+pub mod hashing;
+pub mod memory;
+pub mod reference;
+pub mod store;
+pub mod time;
+
+pub use hashing::{PrefixHasher, PrefixHashes, DEFAULT_CHUNK_SIZE};
+pub use memory::MemoryStore;
+pub use reference::ReferenceStore;
+pub use store::{
+    NotifyOutcome, PrefixStore, QueryOutcome, ServerId, ServerInfo, StoreConfig, StoreError,
+    DEFAULT_CAPACITY, MAX_CAPACITY,
+};
+pub use time::{now_secs, Tick};
