@@ -1,0 +1,43 @@
+//! The command line: one binary, one subcommand per role.
+
+use clap::{Parser, Subcommand};
+
+use crate::index::IndexArgs;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "prefix-router",
+    version,
+    about = "Prefix-cache-aware router for vLLM fleets"
+)]
+pub struct Cli {
+    /// Log filter (tracing's EnvFilter syntax), e.g. `info` or `prefix_router=debug`.
+    #[arg(long, global = true, env = "PREFIX_ROUTER_LOG", default_value = "info")]
+    pub log: String,
+    /// Log as JSON lines instead of text.
+    #[arg(long, global = true, env = "PREFIX_ROUTER_LOG_JSON")]
+    pub log_json: bool,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// The string server: the prefix index over HTTP (query/notify).
+    Index(IndexArgs),
+}
+
+/// Sets up logging to stderr.
+pub fn init_logging(filter: &str, json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}

@@ -1,0 +1,62 @@
+//! A JSON body extractor whose every failure is a 4xx in OpenAI's error shape.
+//!
+//! axum's own `Json` answers in plain text and with 422 for type errors; clients of an
+//! OpenAI-style API expect 400 with a JSON error, and 413 past the size limit.
+
+use axum::body::Body;
+use axum::extract::{FromRequest, Request};
+use axum::http::StatusCode;
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+
+use crate::api_error::ApiError;
+
+/// The largest body a handler reads, as a request extension (set by [`BodyLimit`]).
+#[derive(Clone, Copy, Debug)]
+pub struct BodyLimit(pub usize);
+
+/// Reads the whole body up to the [`BodyLimit`] in the request's extensions (16 MiB if none).
+pub async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        let too_big = std::error::Error::source(&e)
+            .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+        if too_big {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("request body exceeds the limit of {limit} bytes"),
+            )
+        } else {
+            ApiError::bad_request(format!("could not read the request body: {e}"))
+        }
+    })
+}
+
+/// Parses a JSON body into `T`, mapping every failure to a clear 400.
+pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(bytes).map_err(|e| {
+        let what = match e.classify() {
+            serde_json::error::Category::Io | serde_json::error::Category::Eof => {
+                "truncated JSON body"
+            }
+            serde_json::error::Category::Syntax => "malformed JSON body",
+            serde_json::error::Category::Data => "invalid request",
+        };
+        ApiError::bad_request(format!("{what}: {e}"))
+    })
+}
+
+/// `JsonBody<T>`: the body parsed as `T`.
+pub struct JsonBody<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
+        let limit = req
+            .extensions()
+            .get::<BodyLimit>()
+            .map_or(16 << 20, |l| l.0);
+        let bytes = read_body(req.into_body(), limit).await?;
+        parse_json(&bytes).map(JsonBody)
+    }
+}

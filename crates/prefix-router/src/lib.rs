@@ -1,0 +1,12 @@
+//! prefix-router: a prefix-cache-aware, load-balancing router for vLLM fleets.
+//!
+//! The binary's subcommands live here as modules so that tests, `demo` and `bench` can run them
+//! in-process.
+
+pub mod api_error;
+pub mod cli;
+pub mod http_metrics;
+pub mod index;
+pub mod json_body;
+pub mod server;
+pub mod store_args;
