@@ -38,9 +38,6 @@ pub use shard::MAX_SERVERS;
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 const SHARDS: usize = 1 << SHARD_BITS;
-/// `progress` value of a slot that is not a candidate of the running query.
-const NOT_CANDIDATE: u32 = u32::MAX;
-const NO_SLOT: u32 = u32::MAX;
 
 /// Aligned so that neighbouring shard locks do not share a cache line.
 #[repr(align(128))]
@@ -63,6 +60,8 @@ struct ServerNode {
 #[derive(Default, Clone)]
 struct Registry {
     servers: FastMap<ServerId, Arc<ServerNode>>,
+    /// slot -> id of the server in it.
+    ids: Vec<Option<ServerId>>,
 }
 
 #[derive(Default)]
@@ -74,9 +73,12 @@ struct SlotAllocator {
 /// Per-thread buffers, so that a query or notify allocates nothing but its answer.
 #[derive(Default)]
 struct Scratch {
-    /// Matched chunks so far, by slot; [`NOT_CANDIDATE`] for slots outside the query.
+    /// Matched chunks so far, by slot; 0 between queries.
     progress: Vec<u32>,
-    slots: Vec<u32>,
+    /// Slots holding the first chunk of the running query.
+    holders: Vec<u32>,
+    /// (server id, matched chunks) of the touched slots.
+    matched: Vec<(ServerId, u32)>,
     old_ticks: Vec<Option<Tick>>,
     moved: Vec<(u64, LruEntry)>,
     touched: Vec<LruEntry>,
@@ -159,6 +161,10 @@ impl MemoryStore {
         });
         let mut next = Registry::clone(&current);
         next.servers.insert(id, node.clone());
+        if next.ids.len() <= slot as usize {
+            next.ids.resize(slot as usize + 1, None);
+        }
+        next.ids[slot as usize] = Some(id);
         self.registry.store(Arc::new(next));
         Ok(node)
     }
@@ -169,6 +175,7 @@ impl MemoryStore {
         hashes.sort_unstable_by_key(|&h| shard_of(h));
         for group in hashes.chunk_by(|a, b| shard_of(*a) == shard_of(*b)) {
             let mut shard = self.shards[shard_of(group[0])].0.write();
+            shard.warm(group);
             for &hash in group {
                 shard.remove(hash, slot);
             }
@@ -214,6 +221,7 @@ impl MemoryStore {
                 old_ticks.clear();
                 if let Some(&first) = hashes.first() {
                     let mut shard = self.shards[shard_of(first)].0.write();
+                    shard.warm(hashes);
                     old_ticks.extend(hashes.iter().map(|&h| shard.upsert(h, node.slot, t)));
                 }
                 moved.clear();
@@ -254,23 +262,32 @@ impl MemoryStore {
             .ttl_ms
             .map_or(Tick::default(), |ttl| t.ttl_cutoff(ttl));
         SCRATCH.with(|scratch| {
-            let scratch = &mut *scratch.borrow_mut();
-            let (progress, slots) = (&mut scratch.progress, &mut scratch.slots);
-            slots.clear();
-            for id in candidates {
-                let slot = registry.servers.get(id).map_or(NO_SLOT, |s| s.slot);
-                slots.push(slot);
-                if slot != NO_SLOT {
-                    let slot = slot as usize;
-                    if progress.len() <= slot {
-                        progress.resize(slot + 1, NOT_CANDIDATE);
-                    }
-                    progress[slot] = 0;
-                }
+            let Scratch {
+                progress,
+                holders,
+                matched,
+                ..
+            } = &mut *scratch.borrow_mut();
+            // Walk the chain for every server that holds the first chunk (usually a few), then
+            // look the candidates up among them: no per-candidate registry lookup.
+            holders.clear();
+            if progress.len() < registry.ids.len() {
+                progress.resize(registry.ids.len(), 0);
             }
             if let Some(&first) = hashes.as_slice().first() {
                 let shard = self.shards[shard_of(first)].0.read();
-                for (depth, &hash) in hashes.as_slice().iter().enumerate() {
+                for stamp in shard.holders(first) {
+                    if let Some(p) = progress.get_mut(stamp.slot() as usize) {
+                        if stamp.tick() >= cutoff {
+                            *p = 1;
+                            holders.push(stamp.slot());
+                        }
+                    }
+                }
+                for (depth, &hash) in hashes.as_slice().iter().enumerate().skip(1) {
+                    if holders.is_empty() {
+                        break;
+                    }
                     let mut advanced = false;
                     for stamp in shard.holders(hash) {
                         if let Some(p) = progress.get_mut(stamp.slot() as usize) {
@@ -285,15 +302,22 @@ impl MemoryStore {
                     }
                 }
             }
-            let matches = slots
-                .iter()
-                .map(|&slot| progress.get(slot as usize).map_or(0, |&p| u64::from(p)))
-                .collect();
-            for &slot in slots.iter() {
-                if let Some(p) = progress.get_mut(slot as usize) {
-                    *p = NOT_CANDIDATE;
+            matched.clear();
+            for &slot in holders.iter() {
+                let p = std::mem::take(&mut progress[slot as usize]);
+                if let Some(&Some(id)) = registry.ids.get(slot as usize) {
+                    matched.push((id, p));
                 }
             }
+            matched.sort_unstable();
+            let matches = candidates
+                .iter()
+                .map(|id| {
+                    matched
+                        .binary_search_by_key(id, |&(id, _)| id)
+                        .map_or(0, |i| u64::from(matched[i].1))
+                })
+                .collect();
             Ok(QueryOutcome::from_matches(
                 candidates,
                 matches,
@@ -311,6 +335,7 @@ impl MemoryStore {
         };
         let mut next = Registry::clone(&current);
         next.servers.remove(&server);
+        next.ids[node.slot as usize] = None;
         self.registry.store(Arc::new(next));
         let mut state = node.state.lock();
         state.dropped = true;
