@@ -32,6 +32,17 @@ fn store_ops(c: &mut Criterion) {
         // The most recent request is fully held by one server: the query walks all 64 chunks.
         let hit = hashed(requests - 1);
         let miss = hashed(u64::MAX);
+        // A long context: 256 KiB (2,048 chunks), fully held by one server.
+        let long_text: Vec<u8> = (0..32).flat_map(|i| request(1 << 50 | i)).collect();
+        let long = prefix_index::PrefixHasher::default().hash(&long_text);
+        if long.len() as u64 <= entries / servers {
+            store
+                .notify_now(&long, 0, Tick::from_millis(requests))
+                .unwrap();
+            group.bench_function(BenchmarkId::new("query_hit_256KiB", &label), |b| {
+                b.iter(|| store.query_now(black_box(&long), &candidates, Tick::from_millis(1)))
+            });
+        }
         group.bench_function(BenchmarkId::new("query_hit", &label), |b| {
             b.iter(|| store.query_now(black_box(&hit), &candidates, Tick::from_millis(1)))
         });

@@ -73,8 +73,10 @@ struct SlotAllocator {
 /// Per-thread buffers, so that a query or notify allocates nothing but its answer.
 #[derive(Default)]
 struct Scratch {
-    /// Matched chunks so far, by slot; 0 between queries.
+    /// Matched chunks, by slot (valid for the running query's holders).
     progress: Vec<u32>,
+    /// Per slot: holds the prefix being probed (false between probes).
+    marks: Vec<bool>,
     /// Slots holding the first chunk of the running query.
     holders: Vec<u32>,
     /// (server id, matched chunks) of the touched slots.
@@ -87,6 +89,63 @@ struct Scratch {
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::default();
+}
+
+/// Finds how deep each server's hold on a request goes, bisecting all servers at once.
+///
+/// A server's set is prefix-closed, and a prefix's `last_used` is never older than its
+/// extensions', so "holds prefix d (visible under the TTL)" is true up to the match length and
+/// false after it. One probe splits the servers into those whose match reaches the probed depth
+/// and the rest: O(distinct match lengths × log chunks) probes instead of one per chunk.
+struct Bisection<'a> {
+    shard: &'a Shard,
+    hashes: &'a [u64],
+    cutoff: Tick,
+}
+
+impl Bisection<'_> {
+    /// Every slot in `slots` holds prefix `lo`; writes to `answers[slot]` its deepest prefix in
+    /// `lo..=hi`. Reorders `slots`; leaves `marks` all false.
+    fn run(
+        &self,
+        lo: usize,
+        hi: usize,
+        slots: &mut [u32],
+        marks: &mut [bool],
+        answers: &mut [u32],
+    ) {
+        if slots.is_empty() {
+            return;
+        }
+        if lo == hi {
+            for &slot in slots.iter() {
+                answers[slot as usize] = lo as u32;
+            }
+            return;
+        }
+        let mid = lo + (hi - lo).div_ceil(2);
+        let probed = self.shard.holders(self.hashes[mid - 1]);
+        for stamp in probed.iter().filter(|s| s.tick() >= self.cutoff) {
+            if let Some(mark) = marks.get_mut(stamp.slot() as usize) {
+                *mark = true;
+            }
+        }
+        let mut deeper = 0;
+        for i in 0..slots.len() {
+            if marks[slots[i] as usize] {
+                slots.swap(i, deeper);
+                deeper += 1;
+            }
+        }
+        for stamp in probed {
+            if let Some(mark) = marks.get_mut(stamp.slot() as usize) {
+                *mark = false;
+            }
+        }
+        let (reach, stop_short) = slots.split_at_mut(deeper);
+        self.run(mid, hi, reach, marks, answers);
+        self.run(lo, mid - 1, stop_short, marks, answers);
+    }
 }
 
 /// The in-memory prefix store.
@@ -264,60 +323,61 @@ impl MemoryStore {
         SCRATCH.with(|scratch| {
             let Scratch {
                 progress,
+                marks,
                 holders,
                 matched,
                 ..
             } = &mut *scratch.borrow_mut();
-            // Walk the chain for every server that holds the first chunk (usually a few), then
-            // look the candidates up among them: no per-candidate registry lookup.
             holders.clear();
-            if progress.len() < registry.ids.len() {
-                progress.resize(registry.ids.len(), 0);
+            let n = registry.ids.len();
+            if progress.len() < n {
+                progress.resize(n, 0);
+                marks.resize(n, false);
             }
             if let Some(&first) = hashes.as_slice().first() {
                 let shard = self.shards[shard_of(first)].0.read();
-                for stamp in shard.holders(first) {
-                    if let Some(p) = progress.get_mut(stamp.slot() as usize) {
-                        if stamp.tick() >= cutoff {
-                            *p = 1;
-                            holders.push(stamp.slot());
-                        }
-                    }
-                }
-                for (depth, &hash) in hashes.as_slice().iter().enumerate().skip(1) {
-                    if holders.is_empty() {
-                        break;
-                    }
-                    let mut advanced = false;
-                    for stamp in shard.holders(hash) {
-                        if let Some(p) = progress.get_mut(stamp.slot() as usize) {
-                            if *p == depth as u32 && stamp.tick() >= cutoff {
-                                *p += 1;
-                                advanced = true;
-                            }
-                        }
-                    }
-                    if !advanced {
-                        break;
-                    }
-                }
+                holders.extend(
+                    shard
+                        .holders(first)
+                        .iter()
+                        .filter(|s| s.tick() >= cutoff && (s.slot() as usize) < n)
+                        .map(|s| s.slot()),
+                );
+                let search = Bisection {
+                    shard: &shard,
+                    hashes: hashes.as_slice(),
+                    cutoff,
+                };
+                search.run(1, hashes.len(), holders, marks, progress);
             }
             matched.clear();
             for &slot in holders.iter() {
-                let p = std::mem::take(&mut progress[slot as usize]);
+                let p = progress[slot as usize];
                 if let Some(&Some(id)) = registry.ids.get(slot as usize) {
                     matched.push((id, p));
                 }
             }
-            matched.sort_unstable();
-            let matches = candidates
-                .iter()
-                .map(|id| {
-                    matched
-                        .binary_search_by_key(id, |&(id, _)| id)
-                        .map_or(0, |i| u64::from(matched[i].1))
-                })
-                .collect();
+            let matches = if matched.len() <= 8 {
+                candidates
+                    .iter()
+                    .map(|id| {
+                        matched
+                            .iter()
+                            .find(|(held, _)| held == id)
+                            .map_or(0, |&(_, m)| u64::from(m))
+                    })
+                    .collect()
+            } else {
+                matched.sort_unstable();
+                candidates
+                    .iter()
+                    .map(|id| {
+                        matched
+                            .binary_search_by_key(id, |&(id, _)| id)
+                            .map_or(0, |i| u64::from(matched[i].1))
+                    })
+                    .collect()
+            };
             Ok(QueryOutcome::from_matches(
                 candidates,
                 matches,

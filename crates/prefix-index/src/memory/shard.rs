@@ -56,10 +56,7 @@ impl Shard {
     /// Looks `hashes` up with independent reads, so that their cache misses overlap instead of
     /// queuing behind the dependent updates that follow (a large index lives in DRAM).
     pub fn warm(&self, hashes: &[u64]) {
-        let found = hashes
-            .iter()
-            .filter(|h| self.index.contains_key(h))
-            .count();
+        let found = hashes.iter().filter(|h| self.index.contains_key(h)).count();
         std::hint::black_box(found);
     }
 
