@@ -25,6 +25,8 @@ pub struct Cli {
 pub enum Command {
     /// The string server: the prefix index over HTTP (query/notify).
     Index(IndexArgs),
+    /// A fleet of simulated vLLM servers (prefix cache, queueing, vLLM's API and metrics).
+    Sim(vllm_sim::SimArgs),
 }
 
 /// Sets up logging to stderr.

@@ -1,0 +1,105 @@
+//! The simulated server's settings.
+//!
+//! Defaults model Llama-3.1-8B-Instruct in bf16 on one H100 80 GB SXM (see the README's
+//! "simulator" section for the arithmetic): 24,000 KV blocks of 16 tokens, 20,000 prefill
+//! tokens/s, 8 ms between output tokens, 256 sequences at once.
+
+use std::time::Duration;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct SimConfig {
+    /// Model name the servers serve (`/v1/models`, checked against each request's `model`).
+    #[arg(long, env = "SIM_MODEL", default_value = "sim-model")]
+    pub model: String,
+    /// Tokens per KV block (vLLM's `--block-size`).
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// KV cache capacity in blocks (vLLM's `num_gpu_blocks`).
+    #[arg(long, default_value_t = 24_000)]
+    pub kv_blocks: usize,
+    /// Uncached prompt tokens one server prefills per second.
+    #[arg(long, default_value_t = 20_000.0)]
+    pub prefill_tokens_per_s: f64,
+    /// Fixed time added to every prefill (scheduling, the first decode step), in ms.
+    #[arg(long, default_value_t = 10.0)]
+    pub prefill_overhead_ms: f64,
+    /// Time between two output tokens of one sequence, in ms.
+    #[arg(long, default_value_t = 8.0)]
+    pub itl_ms: f64,
+    /// Sequences a server runs at once; later requests wait.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Longest prompt plus output a request may have, in tokens.
+    #[arg(long, default_value_t = 131_072)]
+    pub max_model_len: usize,
+    /// Multiplies all simulated time; 0 means no sleeping at all (fast tests).
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Seed of the generated text (with the prompt) and of random faults.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Probability that a generation request fails with a 500.
+    #[arg(long, default_value_t = 0.0)]
+    pub fail_rate: f64,
+    /// Real milliseconds every generation request waits before it is handled (a hang).
+    #[arg(long, default_value_t = 0)]
+    pub stall_ms: u64,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Wrapper {
+            #[command(flatten)]
+            config: SimConfig,
+        }
+        Wrapper::parse_from(["sim"]).config
+    }
+}
+
+impl SimConfig {
+    /// Checks the settings for values the model cannot run with.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.block_size > 0, "--block-size must be positive");
+        anyhow::ensure!(self.kv_blocks > 0, "--kv-blocks must be positive");
+        anyhow::ensure!(
+            self.prefill_tokens_per_s > 0.0,
+            "--prefill-tokens-per-s must be positive"
+        );
+        anyhow::ensure!(self.itl_ms >= 0.0, "--itl-ms must not be negative");
+        anyhow::ensure!(
+            self.prefill_overhead_ms >= 0.0,
+            "--prefill-overhead-ms must not be negative"
+        );
+        anyhow::ensure!(self.max_num_seqs > 0, "--max-num-seqs must be positive");
+        anyhow::ensure!(
+            self.time_scale >= 0.0 && self.time_scale.is_finite(),
+            "--time-scale must be a finite number >= 0"
+        );
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&self.fail_rate),
+            "--fail-rate must be within 0..1"
+        );
+        Ok(())
+    }
+
+    /// Real time that `sim_secs` of simulated time takes.
+    pub fn real(&self, sim_secs: f64) -> Duration {
+        Duration::from_secs_f64((sim_secs * self.time_scale).max(0.0))
+    }
+
+    /// Simulated seconds that a real duration stands for (0 when time does not pass).
+    pub fn simulated(&self, real: Duration) -> f64 {
+        if self.time_scale > 0.0 {
+            real.as_secs_f64() / self.time_scale
+        } else {
+            0.0
+        }
+    }
+
+    /// Simulated time to prefill `uncached` tokens.
+    pub fn prefill_secs(&self, uncached: usize) -> f64 {
+        self.prefill_overhead_ms / 1000.0 + uncached as f64 / self.prefill_tokens_per_s
+    }
+}

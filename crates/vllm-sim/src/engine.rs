@@ -1,0 +1,282 @@
+//! One simulated server's engine: a FIFO waiting queue, one prefill engine, and decode seats.
+//!
+//! A request waits until a seat is free (`max_num_seqs`) and the KV cache can hold it, then
+//! the prefill engine computes its uncached prompt tokens — one request at a time, at
+//! `prefill_tokens_per_s` — so misses and imbalance turn into queueing delay. After prefill the
+//! request holds its seat and blocks while it decodes (timed by the API layer), and frees both
+//! when it finishes or its client goes away.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use tokio::sync::{oneshot, Notify};
+
+use crate::config::SimConfig;
+use crate::kv_cache::{Allocation, KvCache, Shortage};
+use crate::metrics::{Gauges, Metrics};
+
+/// What the engine needs to know of a request.
+pub struct Job {
+    /// Hashes of every full block of the prompt followed by the whole answer.
+    pub block_hashes: Vec<u64>,
+    pub prompt_tokens: usize,
+    /// Prompt plus answer.
+    pub total_tokens: usize,
+}
+
+/// A request that finished prefill: it may now emit tokens.
+pub struct Admitted {
+    pub lease: Lease,
+    pub cached_tokens: usize,
+    /// When the first token is out (now, in real time).
+    pub first_token_at: Instant,
+    /// Simulated time from arrival to first token.
+    pub ttft_secs: f64,
+}
+
+/// Why the engine refused a request.
+#[derive(Debug)]
+pub enum Refusal {
+    /// It can never fit in the KV cache.
+    TooLong {
+        needed_blocks: usize,
+        total_blocks: usize,
+    },
+}
+
+struct Waiting {
+    job: Job,
+    arrived: Instant,
+    reply: oneshot::Sender<Result<Admitted, Refusal>>,
+}
+
+struct State {
+    cache: KvCache,
+    waiting: VecDeque<Waiting>,
+    running: usize,
+}
+
+pub struct Engine {
+    pub config: Arc<SimConfig>,
+    pub metrics: Metrics,
+    state: Mutex<State>,
+    wake: Notify,
+    killed: AtomicBool,
+    stopped: AtomicBool,
+    /// Wakes streams when the server is killed.
+    pub kill_signal: Notify,
+}
+
+impl Engine {
+    /// Creates the engine and starts its scheduler.
+    pub fn start(config: Arc<SimConfig>) -> Arc<Self> {
+        let engine = Arc::new(Self {
+            metrics: Metrics::default(),
+            state: Mutex::new(State {
+                cache: KvCache::new(config.kv_blocks, config.block_size),
+                waiting: VecDeque::new(),
+                running: 0,
+            }),
+            wake: Notify::new(),
+            killed: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
+            kill_signal: Notify::new(),
+            config,
+        });
+        tokio::spawn(schedule(engine.clone()));
+        engine
+    }
+
+    /// Stops the scheduler (the server is going away); queued requests are refused.
+    pub fn shutdown(&self) {
+        self.stopped.store(true, Relaxed);
+        self.state.lock().waiting.clear();
+        self.wake.notify_one();
+    }
+
+    /// Queues a request; the answer comes when its prefill is done.
+    pub fn submit(&self, job: Job) -> oneshot::Receiver<Result<Admitted, Refusal>> {
+        let (reply, admitted) = oneshot::channel();
+        self.state.lock().waiting.push_back(Waiting {
+            job,
+            arrived: Instant::now(),
+            reply,
+        });
+        self.wake.notify_one();
+        admitted
+    }
+
+    /// Prompt tokens a request would find cached now, without changing anything.
+    pub fn probe(&self, block_hashes: &[u64], prompt_tokens: usize) -> usize {
+        let state = self.state.lock();
+        state.cache.probe(block_hashes, prompt_tokens) * self.config.block_size
+    }
+
+    /// Empties the cache and the counters.
+    pub fn reset(&self) {
+        self.state.lock().cache.reset();
+        self.metrics.reset();
+    }
+
+    pub fn gauges(&self) -> Gauges {
+        let state = self.state.lock();
+        Gauges {
+            running: state.running,
+            waiting: state.waiting.len(),
+            kv_usage: state.cache.usage(),
+            block_size: state.cache.block_size(),
+            num_blocks: state.cache.num_blocks(),
+        }
+    }
+
+    /// Cached blocks right now.
+    pub fn cached_blocks(&self) -> usize {
+        self.state.lock().cache.cached_blocks()
+    }
+
+    pub fn is_killed(&self) -> bool {
+        self.killed.load(Relaxed)
+    }
+
+    /// Makes the server drop every connection but its `/sim/` control endpoints.
+    pub fn kill(&self) {
+        self.killed.store(true, Relaxed);
+        self.kill_signal.notify_waiters();
+    }
+
+    pub fn revive(&self) {
+        self.killed.store(false, Relaxed);
+    }
+}
+
+/// The scheduler: admits the head of the queue when a seat and KV blocks are free, then runs
+/// its prefill. Ends at [`Engine::shutdown`].
+async fn schedule(engine: Arc<Engine>) {
+    // When the prefill engine finishes its current work (planned, in real time).
+    let mut free_at = Instant::now();
+    while !engine.stopped.load(Relaxed) {
+        let next = {
+            let mut state = engine.state.lock();
+            let State {
+                cache,
+                waiting,
+                running,
+            } = &mut *state;
+            while waiting.front().is_some_and(|w| w.reply.is_closed()) {
+                waiting.pop_front();
+            }
+            match waiting.front() {
+                Some(w) if *running < engine.config.max_num_seqs => {
+                    let job = &w.job;
+                    let prompt_hashes = &job.block_hashes
+                        [..(job.prompt_tokens / cache.block_size()).min(job.block_hashes.len())];
+                    match cache.allocate(prompt_hashes, job.prompt_tokens, job.total_tokens) {
+                        Ok(alloc) => {
+                            *running += 1;
+                            Some(Ok((waiting.pop_front().expect("front exists"), alloc)))
+                        }
+                        Err(Shortage::Wait) => None,
+                        Err(Shortage::Never { needed, total }) => Some(Err((
+                            waiting.pop_front().expect("front exists"),
+                            needed,
+                            total,
+                        ))),
+                    }
+                }
+                _ => None,
+            }
+        };
+        match next {
+            None => engine.wake.notified().await,
+            Some(Err((w, needed_blocks, total_blocks))) => {
+                let _ = w.reply.send(Err(Refusal::TooLong {
+                    needed_blocks,
+                    total_blocks,
+                }));
+            }
+            Some(Ok((w, alloc))) => prefill(&engine, w, alloc, &mut free_at).await,
+        }
+    }
+}
+
+async fn prefill(engine: &Arc<Engine>, w: Waiting, mut alloc: Allocation, free_at: &mut Instant) {
+    let config = &engine.config;
+    let cached_tokens = alloc.cached_blocks() * config.block_size;
+    let uncached = w.job.prompt_tokens - cached_tokens;
+    let prefill_secs = config.prefill_secs(uncached);
+    // Planned times, not measured ones: a late wake-up shortens the next wait instead of
+    // pushing every later request back (timers have a resolution of about 1 ms).
+    let start = (*free_at).max(Instant::now());
+    let done = start + config.real(prefill_secs);
+    *free_at = done;
+    if config.time_scale > 0.0 {
+        tokio::time::sleep_until(done.into()).await;
+    }
+    let prompt_blocks = w.job.prompt_tokens / config.block_size;
+    engine.state.lock().cache.commit(
+        &mut alloc,
+        &w.job.block_hashes[..prompt_blocks.min(w.job.block_hashes.len())],
+    );
+    let m = &engine.metrics;
+    m.prefix_cache_queries
+        .fetch_add(w.job.prompt_tokens as u64, Relaxed);
+    m.prefix_cache_hits.fetch_add(cached_tokens as u64, Relaxed);
+    m.prompt_tokens
+        .fetch_add(w.job.prompt_tokens as u64, Relaxed);
+    let ttft_secs = config
+        .simulated(done.saturating_duration_since(w.arrived))
+        .max(prefill_secs);
+    m.ttft.observe(ttft_secs);
+    let lease = Lease {
+        engine: engine.clone(),
+        alloc: Some(alloc),
+        hashes: w.job.block_hashes,
+    };
+    // If the client left meanwhile, the lease comes back and is dropped: blocks and seat free.
+    let _ = w.reply.send(Ok(Admitted {
+        lease,
+        cached_tokens,
+        first_token_at: done,
+        ttft_secs,
+    }));
+}
+
+/// A running request's seat and KV blocks, given back when dropped.
+pub struct Lease {
+    engine: Arc<Engine>,
+    alloc: Option<Allocation>,
+    hashes: Vec<u64>,
+}
+
+impl Lease {
+    /// Caches the full blocks of the prompt and the first `tokens_done` tokens of the sequence
+    /// before the blocks are released.
+    pub fn finish(mut self, tokens_done: usize) {
+        if let Some(mut alloc) = self.alloc.take() {
+            let blocks = (tokens_done / self.engine.config.block_size).min(self.hashes.len());
+            let mut state = self.engine.state.lock();
+            state.cache.commit(&mut alloc, &self.hashes[..blocks]);
+            state.cache.release(alloc);
+            state.running -= 1;
+            drop(state);
+            self.engine.wake.notify_one();
+        }
+    }
+}
+
+impl Drop for Lease {
+    /// A lease dropped without [`Lease::finish`] is an aborted request.
+    fn drop(&mut self) {
+        if let Some(alloc) = self.alloc.take() {
+            self.engine.metrics.success_abort.fetch_add(1, Relaxed);
+            let mut state = self.engine.state.lock();
+            state.cache.release(alloc);
+            state.running -= 1;
+            drop(state);
+            self.engine.wake.notify_one();
+        }
+    }
+}
