@@ -105,6 +105,12 @@ impl PrefixHasher {
         self.chunk_size
     }
 
+    /// A value that differs between hashers with different seeds (compare, never publish: it
+    /// is a hash output for a fixed input).
+    pub fn fingerprint(&self) -> u64 {
+        xxh3_64_with_seed(b"prefix-router hasher fingerprint", self.seed)
+    }
+
     /// Number of chunks a request of `len` bytes is cut into.
     pub fn chunk_count(&self, len: usize) -> usize {
         len.div_ceil(self.chunk_size)

@@ -23,6 +23,8 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
+    /// The router: an OpenAI-compatible, prefix-cache-aware gateway in front of vLLM servers.
+    Serve(Box<crate::serve::ServeArgs>),
     /// The string server: the prefix index over HTTP (query/notify).
     Index(IndexArgs),
     /// A fleet of simulated vLLM servers (prefix cache, queueing, vLLM's API and metrics).

@@ -7,6 +7,8 @@ pub mod api_error;
 pub mod cli;
 pub mod http_metrics;
 pub mod index;
+pub mod index_client;
 pub mod json_body;
+pub mod serve;
 pub mod server;
 pub mod store_args;

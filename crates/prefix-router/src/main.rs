@@ -6,6 +6,10 @@ async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     init_logging(&cli.log, cli.log_json);
     let result = match cli.command {
+        Command::Serve(args) => match args.resolve(&serve_args()) {
+            Ok(args) => prefix_router::serve::run(args).await,
+            Err(e) => Err(e),
+        },
         Command::Index(args) => prefix_router::index::run(args).await,
         Command::Sim(args) => vllm_sim::run(args, prefix_router::server::shutdown_signal()).await,
     };
@@ -16,4 +20,22 @@ async fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// The command-line words after `serve`, without the global logging flags (for the config
+/// file merge, which re-reads them).
+fn serve_args() -> Vec<String> {
+    let mut words = std::env::args().skip_while(|a| a != "serve").skip(1);
+    let mut out = Vec::new();
+    while let Some(w) = words.next() {
+        match w.as_str() {
+            "--log" => {
+                words.next();
+            }
+            "--log-json" => {}
+            _ if w.starts_with("--log=") || w.starts_with("--log-json=") => {}
+            _ => out.push(w),
+        }
+    }
+    out
 }

@@ -9,7 +9,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
-use prefix_index::{now_secs, PrefixHasher, PrefixStore, ServerId, Tick};
+use prefix_index::{now_secs, PrefixHasher, PrefixHashes, PrefixStore, ServerId, Tick};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tower_http::catch_panic::CatchPanicLayer;
@@ -59,7 +59,8 @@ impl IndexState {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct NotifyBody {
-    request: String,
+    request: Option<String>,
+    hashes: Option<Vec<u64>>,
     server_id: ServerId,
     t: Option<f64>,
 }
@@ -74,9 +75,17 @@ struct NotifyAnswer {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct QueryBody {
-    request: String,
+    request: Option<String>,
+    hashes: Option<Vec<u64>>,
     server_ids: Vec<ServerId>,
     t: Option<f64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CompatibilityBody {
+    chunk_size: usize,
+    hash_fingerprint: u64,
 }
 
 #[derive(Serialize)]
@@ -110,6 +119,22 @@ fn time(t: Option<f64>) -> Result<Tick, ApiError> {
     }
 }
 
+/// The prefix hashes of a body that carries either the request text or hashes computed by a
+/// client with the same chunk size and seed (`POST /v1/compatibility` checks that).
+fn prefix_hashes(
+    hasher: &PrefixHasher,
+    request: Option<String>,
+    hashes: Option<Vec<u64>>,
+) -> Result<PrefixHashes, ApiError> {
+    match (request, hashes) {
+        (Some(text), None) => Ok(hasher.hash(text.as_bytes())),
+        (None, Some(hashes)) => Ok(PrefixHashes::from_raw(hashes)),
+        _ => Err(ApiError::bad_request(
+            "give exactly one of `request` (the text) and `hashes`",
+        )),
+    }
+}
+
 fn server_id(raw: &str) -> Result<ServerId, ApiError> {
     raw.parse().map_err(|_| {
         ApiError::bad_request(format!(
@@ -123,7 +148,7 @@ async fn notify(
     JsonBody(body): JsonBody<NotifyBody>,
 ) -> Result<Json<NotifyAnswer>, ApiError> {
     let t = time(body.t)?;
-    let hashes = state.hasher.hash(body.request.as_bytes());
+    let hashes = prefix_hashes(&state.hasher, body.request, body.hashes)?;
     let outcome = state.store_result(state.store.notify(&hashes, body.server_id, t).await)?;
     state.metrics.notified(body.server_id, &outcome);
     state.clock.fetch_max(t.millis(), Ordering::Relaxed);
@@ -142,7 +167,7 @@ async fn query(
     if body.server_ids.is_empty() {
         return Err(ApiError::bad_request("`server_ids` must not be empty"));
     }
-    let hashes = state.hasher.hash(body.request.as_bytes());
+    let hashes = prefix_hashes(&state.hasher, body.request, body.hashes)?;
     let outcome = state.store_result(state.store.query(&hashes, &body.server_ids, t).await)?;
     Ok(Json(QueryAnswer {
         server_id: outcome.best,
@@ -193,6 +218,20 @@ async fn drop_server(
     Ok(Json(json!({"server_id": id, "removed": removed})).into_response())
 }
 
+/// Whether a client hashes requests as this server does (same chunk size and seed), without
+/// revealing anything about the seed but the yes or no.
+async fn compatibility(
+    State(state): State<IndexState>,
+    JsonBody(body): JsonBody<CompatibilityBody>,
+) -> Json<serde_json::Value> {
+    Json(json!({
+        "compatible": body.chunk_size == state.hasher.chunk_size()
+            && body.hash_fingerprint == state.hasher.fingerprint(),
+        "chunk_size": state.hasher.chunk_size(),
+        "store": state.store.kind(),
+    }))
+}
+
 async fn health() -> Json<serde_json::Value> {
     Json(json!({"status": "ok"}))
 }
@@ -222,6 +261,7 @@ pub fn app(state: IndexState) -> Router {
         .route("/v1/query", post(query))
         .route("/v1/servers", get(list_servers))
         .route("/v1/servers/{id}", put(set_capacity).delete(drop_server))
+        .route("/v1/compatibility", post(compatibility))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .method_not_allowed_fallback(api_error::wrong_method)

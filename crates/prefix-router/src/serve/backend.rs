@@ -1,0 +1,325 @@
+//! The backends (vLLM servers) the router knows, and their live state.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use axum::http::{HeaderValue, Uri};
+use prefix_index::ServerId;
+
+/// How a backend is configured (flags, config file or discovery).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BackendSpec {
+    /// Base URL, e.g. `http://10.0.0.5:8000` (no trailing slash).
+    pub url: String,
+    /// Models it serves; `None` to discover them from its `GET /v1/models`.
+    pub models: Option<Vec<String>>,
+    /// Index capacity in chunks; `None` to derive it from its KV cache size.
+    pub capacity: Option<u64>,
+    /// Relative share of new prefixes (reserved for weighted spreading; 1 by default).
+    pub weight: u32,
+    /// Bearer token sent to this backend.
+    pub api_key: Option<String>,
+}
+
+impl BackendSpec {
+    pub fn new(url: &str) -> Self {
+        Self {
+            url: normalize_url(url),
+            models: None,
+            capacity: None,
+            weight: 1,
+            api_key: None,
+        }
+    }
+}
+
+/// Lower-cases scheme and host and drops trailing slashes, so one server has one URL.
+pub fn normalize_url(url: &str) -> String {
+    let url = url.trim().trim_end_matches('/');
+    match url.split_once("://") {
+        Some((scheme, rest)) => {
+            let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+            format!(
+                "{}://{}{}",
+                scheme.to_ascii_lowercase(),
+                authority.to_ascii_lowercase(),
+                path
+            )
+        }
+        None => format!("http://{}", url.to_ascii_lowercase()),
+    }
+}
+
+/// The stable server id of a backend: a hash of its normalized URL, so that router replicas
+/// sharing one store agree without coordination.
+pub fn server_id(url: &str) -> ServerId {
+    xxhash_rust::xxh3::xxh3_64(normalize_url(url).as_bytes())
+}
+
+/// A backend and what the router knows of it now.
+pub struct Backend {
+    pub spec: BackendSpec,
+    pub id: ServerId,
+    pub base: Uri,
+    pub authorization: Option<HeaderValue>,
+    /// Models served (static, or last discovered).
+    pub models: ArcSwap<Vec<Arc<str>>>,
+    healthy: AtomicBool,
+    failures: AtomicU32,
+    /// Requests this router has sent and not yet seen finish.
+    pub inflight: AtomicU64,
+    /// Of those, the ones whose first byte has not come back yet.
+    pub waiting_first_byte: AtomicU64,
+    /// From the backend's `/metrics`: `vllm:num_requests_running` + `num_requests_waiting`.
+    pub reported_queue: AtomicU64,
+    pub reported_running: AtomicU64,
+    pub reported_waiting: AtomicU64,
+    /// `vllm:kv_cache_usage_perc` as f64 bits.
+    pub kv_usage_bits: AtomicU64,
+    /// Index entries held for this backend, as this router's notifies count them.
+    pub entries: AtomicU64,
+    /// Index capacity in chunks.
+    pub capacity: AtomicU64,
+    /// Requests routed here (for the requests-per-second gauge).
+    pub routed: AtomicU64,
+    /// Requests per second over the last metrics interval, as f64 bits.
+    pub qps_bits: AtomicU64,
+    /// The URL as a shared label value.
+    pub label: Arc<str>,
+}
+
+impl Backend {
+    pub fn new(spec: BackendSpec, default_capacity: u64) -> anyhow::Result<Self> {
+        let base: Uri = spec
+            .url
+            .parse()
+            .map_err(|e| anyhow::anyhow!("invalid backend URL {:?}: {e}", spec.url))?;
+        anyhow::ensure!(
+            base.scheme_str() == Some("http"),
+            "backend {:?}: only http:// backends are supported",
+            spec.url
+        );
+        let authorization = spec
+            .api_key
+            .as_ref()
+            .map(|k| HeaderValue::from_str(&format!("Bearer {k}")))
+            .transpose()
+            .map_err(|_| {
+                anyhow::anyhow!("backend {:?}: the API key is not a valid header", spec.url)
+            })?;
+        let models: Vec<Arc<str>> = spec
+            .models
+            .iter()
+            .flatten()
+            .map(|m| Arc::from(m.as_str()))
+            .collect();
+        Ok(Self {
+            id: server_id(&spec.url),
+            capacity: AtomicU64::new(spec.capacity.unwrap_or(default_capacity)),
+            base,
+            authorization,
+            models: ArcSwap::from_pointee(models),
+            // Optimistic until the first health check says otherwise.
+            healthy: AtomicBool::new(true),
+            failures: AtomicU32::new(0),
+            inflight: AtomicU64::new(0),
+            waiting_first_byte: AtomicU64::new(0),
+            reported_queue: AtomicU64::new(0),
+            reported_running: AtomicU64::new(0),
+            reported_waiting: AtomicU64::new(0),
+            kv_usage_bits: AtomicU64::new(0),
+            entries: AtomicU64::new(0),
+            routed: AtomicU64::new(0),
+            qps_bits: AtomicU64::new(0),
+            label: spec.url.as_str().into(),
+            spec,
+        })
+    }
+
+    pub fn url(&self) -> &str {
+        &self.spec.url
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Relaxed)
+    }
+
+    /// The backend's name for `model` if it serves it (a shared string, for metric labels).
+    pub fn serves(&self, model: &str) -> Option<Arc<str>> {
+        self.models.load().iter().find(|m| &***m == model).cloned()
+    }
+
+    pub fn qps(&self) -> f64 {
+        f64::from_bits(self.qps_bits.load(Relaxed))
+    }
+
+    /// Records a failed check or request; returns true when it made the backend unhealthy.
+    pub fn record_failure(&self, unhealthy_after: u32) -> bool {
+        let failures = self.failures.fetch_add(1, Relaxed) + 1;
+        failures >= unhealthy_after && self.healthy.swap(false, Relaxed)
+    }
+
+    /// Records a successful check; returns true when it made the backend healthy again.
+    pub fn record_success(&self) -> bool {
+        self.failures.store(0, Relaxed);
+        !self.healthy.swap(true, Relaxed)
+    }
+
+    pub fn kv_usage(&self) -> f64 {
+        f64::from_bits(self.kv_usage_bits.load(Relaxed))
+    }
+
+    /// Load as the policies compare it: in-flight at this router first, then the backend's
+    /// own queue.
+    pub fn load(&self) -> (u64, u64) {
+        (
+            self.inflight.load(Relaxed),
+            self.reported_queue.load(Relaxed),
+        )
+    }
+}
+
+/// Counts a request against a backend until dropped (finished, failed or cancelled alike),
+/// so in-flight counters cannot leak.
+pub struct InflightGuard {
+    backend: Arc<Backend>,
+    waiting_first_byte: bool,
+}
+
+impl InflightGuard {
+    pub fn new(backend: Arc<Backend>) -> Self {
+        backend.inflight.fetch_add(1, Relaxed);
+        backend.waiting_first_byte.fetch_add(1, Relaxed);
+        Self {
+            backend,
+            waiting_first_byte: true,
+        }
+    }
+
+    /// The first byte of the answer arrived.
+    pub fn first_byte(&mut self) {
+        if std::mem::take(&mut self.waiting_first_byte) {
+            self.backend.waiting_first_byte.fetch_sub(1, Relaxed);
+        }
+    }
+
+    pub fn backend(&self) -> &Arc<Backend> {
+        &self.backend
+    }
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.first_byte();
+        self.backend.inflight.fetch_sub(1, Relaxed);
+    }
+}
+
+/// The current set of backends, replaced whole when it changes so readers never lock.
+#[derive(Default)]
+pub struct Fleet {
+    backends: ArcSwap<Vec<Arc<Backend>>>,
+}
+
+/// What a reconcile changed.
+#[derive(Default, Debug)]
+pub struct FleetChange {
+    pub added: Vec<Arc<Backend>>,
+    pub removed: Vec<Arc<Backend>>,
+}
+
+impl Fleet {
+    pub fn snapshot(&self) -> arc_swap::Guard<Arc<Vec<Arc<Backend>>>> {
+        self.backends.load()
+    }
+
+    pub fn all(&self) -> Arc<Vec<Arc<Backend>>> {
+        self.backends.load_full()
+    }
+
+    /// Makes the fleet exactly `specs`: backends with an unchanged spec keep their state.
+    pub fn reconcile(
+        &self,
+        specs: &[BackendSpec],
+        default_capacity: u64,
+    ) -> anyhow::Result<FleetChange> {
+        let current = self.backends.load_full();
+        let mut next = Vec::with_capacity(specs.len());
+        let mut change = FleetChange::default();
+        for spec in specs {
+            if next.iter().any(|b: &Arc<Backend>| b.spec.url == spec.url) {
+                continue; // listed twice
+            }
+            match current.iter().find(|b| b.spec == *spec) {
+                Some(existing) => next.push(existing.clone()),
+                None => {
+                    let backend = Arc::new(Backend::new(spec.clone(), default_capacity)?);
+                    change.added.push(backend.clone());
+                    next.push(backend);
+                }
+            }
+        }
+        // A backend whose settings changed is replaced under the same URL (and id): it did
+        // not leave, so it is not reported as removed.
+        for old in current.iter() {
+            if !next.iter().any(|b| b.spec.url == old.spec.url) {
+                change.removed.push(old.clone());
+            }
+        }
+        self.backends.store(Arc::new(next));
+        Ok(change)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_normalize_and_ids_are_stable() {
+        assert_eq!(normalize_url("HTTP://Host:8000/"), "http://host:8000");
+        assert_eq!(normalize_url("host:8000"), "http://host:8000");
+        assert_eq!(normalize_url("http://h/v1/"), "http://h/v1");
+        assert_eq!(
+            server_id("http://Host:8000/"),
+            server_id("http://host:8000")
+        );
+        assert_ne!(server_id("http://a:1"), server_id("http://a:2"));
+    }
+
+    #[test]
+    fn guard_counts_exactly() {
+        let b = Arc::new(Backend::new(BackendSpec::new("http://a:1"), 10).unwrap());
+        let mut g = InflightGuard::new(b.clone());
+        assert_eq!(
+            (b.inflight.load(Relaxed), b.waiting_first_byte.load(Relaxed)),
+            (1, 1)
+        );
+        g.first_byte();
+        g.first_byte();
+        assert_eq!(b.waiting_first_byte.load(Relaxed), 0);
+        drop(g);
+        assert_eq!(b.inflight.load(Relaxed), 0);
+        drop(InflightGuard::new(b.clone()));
+        assert_eq!(
+            (b.inflight.load(Relaxed), b.waiting_first_byte.load(Relaxed)),
+            (0, 0)
+        );
+    }
+
+    #[test]
+    fn reconcile_keeps_state_and_reports_changes() {
+        let fleet = Fleet::default();
+        let a = BackendSpec::new("http://a:1");
+        let b = BackendSpec::new("http://b:1");
+        let change = fleet.reconcile(&[a.clone(), b.clone()], 10).unwrap();
+        assert_eq!(change.added.len(), 2);
+        let a_state = fleet.all()[0].clone();
+        a_state.inflight.fetch_add(3, Relaxed);
+        let change = fleet.reconcile(std::slice::from_ref(&a), 10).unwrap();
+        assert_eq!((change.added.len(), change.removed.len()), (0, 1));
+        assert_eq!(fleet.all()[0].inflight.load(Relaxed), 3);
+        assert!(Backend::new(BackendSpec::new("https://x"), 1).is_err());
+    }
+}

@@ -1,0 +1,393 @@
+//! `serve`'s settings: flags, `PREFIX_ROUTER_*` variables and the TOML config file, plus the
+//! production-stack router's flags where they map.
+//!
+//! Precedence: command line, then environment, then config file, then defaults. The config file
+//! takes the same keys as the long flags (`policy = "prefix_load"`, `cache-threshold = 0.6`) and
+//! `[[backends]]` tables with `url`, `models`, `capacity`, `weight` and `api-key`.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{CommandFactory, FromArgMatches};
+use serde::Deserialize;
+
+use super::backend::BackendSpec;
+use super::policy::PolicyKind;
+use crate::store_args::StoreArgs;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, env = "PREFIX_ROUTER_LISTEN", default_value = "127.0.0.1:8000")]
+    pub listen: SocketAddr,
+    /// A backend's base URL (repeatable, or comma-separated).
+    #[arg(
+        long = "backend",
+        env = "PREFIX_ROUTER_BACKENDS",
+        value_delimiter = ','
+    )]
+    pub backends: Vec<String>,
+    /// TOML config file (re-read when it changes: backends join and leave).
+    #[arg(long, env = "PREFIX_ROUTER_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Routing policy.
+    #[arg(
+        long,
+        env = "PREFIX_ROUTER_POLICY",
+        value_enum,
+        default_value = "prefix_load"
+    )]
+    pub policy: PolicyKind,
+    /// prefix_load: below this matched fraction, route by load instead.
+    #[arg(long, env = "PREFIX_ROUTER_CACHE_THRESHOLD", default_value_t = 0.5)]
+    pub cache_threshold: f64,
+    /// prefix_load: the load guard trips when the matched backend has more than this many
+    /// requests in flight above the least loaded one...
+    #[arg(long, env = "PREFIX_ROUTER_BALANCE_ABS", default_value_t = 8)]
+    pub balance_abs: u64,
+    /// ... and more than this times its in-flight count.
+    #[arg(long, env = "PREFIX_ROUTER_BALANCE_REL", default_value_t = 1.5)]
+    pub balance_rel: f64,
+    /// session policy: the header naming the session.
+    #[arg(
+        long,
+        env = "PREFIX_ROUTER_SESSION_HEADER",
+        default_value = "x-session-id"
+    )]
+    pub session_header: String,
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// A shared remote `prefix-router index` to use as the store instead of `--store`.
+    #[arg(long, env = "PREFIX_ROUTER_INDEX_URL")]
+    pub index_url: Option<String>,
+    /// Longest wait for the prefix store on a request before routing by load.
+    #[arg(long, env = "PREFIX_ROUTER_STORE_TIMEOUT", default_value = "50ms", value_parser = humantime::parse_duration)]
+    pub store_timeout: Duration,
+    /// Interval of the health checks (`GET /health`).
+    #[arg(long, env = "PREFIX_ROUTER_HEALTH_INTERVAL", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub health_interval: Duration,
+    /// Failed checks (or connection failures) before a backend leaves the candidates.
+    #[arg(long, env = "PREFIX_ROUTER_UNHEALTHY_AFTER", default_value_t = 2)]
+    pub unhealthy_after: u32,
+    /// Interval of the load scrapes (`GET /metrics`).
+    #[arg(long, env = "PREFIX_ROUTER_METRICS_INTERVAL", default_value = "1s", value_parser = humantime::parse_duration)]
+    pub metrics_interval: Duration,
+    /// Retries on the next candidate after a connection error or a 5xx before any byte went
+    /// to the client.
+    #[arg(long, env = "PREFIX_ROUTER_MAX_RETRIES", default_value_t = 2)]
+    pub max_retries: usize,
+    /// Longest a request may take end to end (504 before the answer began).
+    #[arg(long, env = "PREFIX_ROUTER_REQUEST_TIMEOUT", default_value = "600s", value_parser = humantime::parse_duration)]
+    pub request_timeout: Duration,
+    /// Longest wait for a TCP connection to a backend.
+    #[arg(long, env = "PREFIX_ROUTER_CONNECT_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
+    pub connect_timeout: Duration,
+    /// Bearer token sent to every backend (a backend's own `api-key` in the config wins).
+    #[arg(long, env = "PREFIX_ROUTER_BACKEND_API_KEY", hide_env_values = true)]
+    pub backend_api_key: Option<String>,
+    /// Largest accepted request body, in bytes.
+    #[arg(long, env = "PREFIX_ROUTER_MAX_BODY", default_value_t = 32 << 20)]
+    pub max_body: usize,
+
+    // The production-stack router's flags, mapped onto ours.
+    /// (production-stack) Comma-separated backend URLs.
+    #[arg(long, hide = true)]
+    pub static_backends: Option<String>,
+    /// (production-stack) Comma-separated models, one per static backend (or one for all).
+    #[arg(long, hide = true)]
+    pub static_models: Option<String>,
+    /// (production-stack) roundrobin | session | prefixaware | kvaware.
+    #[arg(long, hide = true)]
+    pub routing_logic: Option<String>,
+    /// (production-stack) The session header.
+    #[arg(long, hide = true)]
+    pub session_key: Option<String>,
+    /// (production-stack) Port to listen on.
+    #[arg(long, hide = true)]
+    pub port: Option<u16>,
+    /// (production-stack) Host to listen on.
+    #[arg(long, hide = true)]
+    pub host: Option<IpAddr>,
+    /// (production-stack) Only `static` for now.
+    #[arg(long, hide = true)]
+    pub service_discovery: Option<String>,
+}
+
+/// `[[backends]]` of the config file.
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct FileBackend {
+    url: String,
+    models: Option<Vec<String>>,
+    capacity: Option<u64>,
+    weight: Option<u32>,
+    #[serde(alias = "api_key")]
+    api_key: Option<String>,
+}
+
+#[derive(clap::Parser)]
+struct Wrapper {
+    #[command(flatten)]
+    args: ServeArgs,
+}
+
+impl ServeArgs {
+    /// The defaults, with the given backends.
+    pub fn with_backends(listen: SocketAddr, backends: &[String]) -> Self {
+        let mut args = <Wrapper as clap::Parser>::parse_from(["serve"]).args;
+        args.listen = listen;
+        args.backends = backends.to_vec();
+        args
+    }
+
+    /// Parses `serve`'s words (as on the command line, without `serve`) and resolves them.
+    pub fn from_words(words: &[String]) -> anyhow::Result<Self> {
+        let mut argv = vec!["serve".to_owned()];
+        argv.extend(words.iter().cloned());
+        let args = <Wrapper as clap::Parser>::try_parse_from(argv)?.args;
+        args.resolve(words)
+    }
+
+    /// Applies the config file (for keys neither on the command line nor in the environment)
+    /// and the production-stack flags. `cli` is the `serve` part of the command line.
+    pub fn resolve(self, cli: &[String]) -> anyhow::Result<Self> {
+        let mut args = match &self.config {
+            None => self,
+            Some(path) => {
+                let file_args = file_flags(path)?;
+                let mut argv = vec!["serve".to_owned()];
+                argv.extend(file_args);
+                argv.extend(cli.iter().cloned());
+                let cmd = Wrapper::command().args_override_self(true);
+                let matches = cmd
+                    .try_get_matches_from(argv)
+                    .with_context(|| format!("in config file {}", path.display()))?;
+                let mut args = Wrapper::from_arg_matches(&matches)?.args;
+                args.config = Some(path.clone());
+                args
+            }
+        };
+        args.apply_production_stack_flags()?;
+        Ok(args)
+    }
+
+    fn apply_production_stack_flags(&mut self) -> anyhow::Result<()> {
+        if let Some(list) = &self.static_backends {
+            self.backends.extend(
+                list.split(',')
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_owned),
+            );
+        }
+        if let Some(logic) = &self.routing_logic {
+            self.policy = match logic.as_str() {
+                "roundrobin" | "round_robin" => PolicyKind::RoundRobin,
+                "session" => PolicyKind::Session,
+                "prefixaware" | "kvaware" | "cache_aware" => PolicyKind::PrefixLoad,
+                "least_loaded" | "leastloaded" => PolicyKind::LeastLoaded,
+                other => bail!("--routing-logic {other:?} is not supported (roundrobin, session, prefixaware, kvaware)"),
+            };
+        }
+        if let Some(key) = &self.session_key {
+            self.session_header = key.clone();
+        }
+        if self.port.is_some() || self.host.is_some() {
+            self.listen = SocketAddr::new(
+                self.host.unwrap_or(self.listen.ip()),
+                self.port.unwrap_or(self.listen.port()),
+            );
+        }
+        match self.service_discovery.as_deref() {
+            None | Some("static") => {}
+            Some(other) => bail!("--service-discovery {other:?} is not supported yet (static)"),
+        }
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&self.cache_threshold),
+            "--cache-threshold must be within 0..1"
+        );
+        anyhow::ensure!(self.balance_rel >= 1.0, "--balance-rel must be at least 1");
+        Ok(())
+    }
+
+    /// Every backend: the flags', then the config file's (which may add models and keys).
+    pub fn backend_specs(&self) -> anyhow::Result<Vec<BackendSpec>> {
+        let static_models: Vec<String> = self
+            .static_models
+            .iter()
+            .flat_map(|m| m.split(','))
+            .map(|m| m.trim().to_owned())
+            .filter(|m| !m.is_empty())
+            .collect();
+        let mut specs: Vec<BackendSpec> = Vec::new();
+        for (i, url) in self.backends.iter().enumerate() {
+            let mut spec = BackendSpec::new(url);
+            spec.api_key = self.backend_api_key.clone();
+            spec.capacity = None;
+            if static_models.len() == 1 {
+                spec.models = Some(static_models.clone());
+            } else if let Some(m) = static_models.get(i) {
+                spec.models = Some(vec![m.clone()]);
+            }
+            specs.push(spec);
+        }
+        if let Some(path) = &self.config {
+            for b in file_backends(path)? {
+                let mut spec = BackendSpec::new(&b.url);
+                spec.models = b.models;
+                spec.capacity = b.capacity;
+                spec.weight = b.weight.unwrap_or(1);
+                spec.api_key = b.api_key.or_else(|| self.backend_api_key.clone());
+                specs.retain(|s| s.url != spec.url);
+                specs.push(spec);
+            }
+        }
+        Ok(specs)
+    }
+}
+
+fn read_table(path: &Path) -> anyhow::Result<toml::Table> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read config file {}", path.display()))?;
+    text.parse::<toml::Table>()
+        .with_context(|| format!("config file {} is not valid TOML", path.display()))
+}
+
+fn file_backends(path: &Path) -> anyhow::Result<Vec<FileBackend>> {
+    let table = read_table(path)?;
+    match table.get("backends") {
+        None => Ok(Vec::new()),
+        Some(v) => v
+            .clone()
+            .try_into()
+            .with_context(|| format!("`backends` in {}", path.display())),
+    }
+}
+
+/// The config file's settings as command-line flags, skipping keys whose environment variable
+/// is set (the environment ranks above the file).
+fn file_flags(path: &Path) -> anyhow::Result<Vec<String>> {
+    let table = read_table(path)?;
+    let known: Vec<String> = Wrapper::command()
+        .get_arguments()
+        .filter_map(|a| a.get_long().map(str::to_owned))
+        .collect();
+    let mut argv = Vec::new();
+    for (key, value) in table {
+        if key == "backends" {
+            continue;
+        }
+        let flag = key.replace('_', "-");
+        let flag = if flag == "backend" {
+            "backend".to_owned()
+        } else {
+            flag
+        };
+        if !known.contains(&flag) || flag == "config" {
+            bail!("unknown setting {key:?} in config file {}", path.display());
+        }
+        let env = format!("PREFIX_ROUTER_{}", flag.replace('-', "_").to_uppercase());
+        if std::env::var_os(&env).is_some() {
+            continue;
+        }
+        let values: Vec<&toml::Value> = match &value {
+            toml::Value::Array(items) => items.iter().collect(),
+            other => vec![other],
+        };
+        for v in values {
+            argv.push(format!("--{flag}"));
+            argv.push(match v {
+                toml::Value::String(s) => s.clone(),
+                toml::Value::Integer(i) => i.to_string(),
+                toml::Value::Float(f) => f.to_string(),
+                toml::Value::Boolean(b) => b.to_string(),
+                other => bail!(
+                    "setting {key:?} in {}: unsupported value {other}",
+                    path.display()
+                ),
+            });
+        }
+    }
+    Ok(argv)
+}
+
+/// Modification time of the config file, to notice changes.
+pub fn modified(path: &Path) -> Option<std::time::SystemTime> {
+    std::fs::metadata(path).and_then(|m| m.modified()).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(cli: &[&str]) -> anyhow::Result<ServeArgs> {
+        let words: Vec<String> = cli.iter().map(|s| s.to_string()).collect();
+        ServeArgs::from_words(&words)
+    }
+
+    #[test]
+    fn config_file_fills_what_the_command_line_leaves() {
+        let dir = std::env::temp_dir().join(format!("prefix-router-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("router.toml");
+        std::fs::write(
+            &path,
+            r#"
+policy = "round_robin"
+cache-threshold = 0.7
+max_retries = 4
+backend = ["http://a:1"]
+
+[[backends]]
+url = "http://b:2/"
+models = ["m"]
+capacity = 99
+api-key = "k"
+"#,
+        )
+        .unwrap();
+        let p = path.to_str().unwrap();
+        let args = parse(&["--config", p, "--cache-threshold", "0.3"]).unwrap();
+        assert_eq!(args.policy, PolicyKind::RoundRobin);
+        assert_eq!(args.cache_threshold, 0.3, "the command line wins");
+        assert_eq!(args.max_retries, 4);
+        let specs = args.backend_specs().unwrap();
+        assert_eq!(specs.len(), 2);
+        assert_eq!(specs[1].url, "http://b:2");
+        assert_eq!(specs[1].models, Some(vec!["m".to_owned()]));
+        assert_eq!(specs[1].capacity, Some(99));
+        assert_eq!(specs[1].api_key.as_deref(), Some("k"));
+
+        std::fs::write(&path, "polcy = \"x\"\n").unwrap();
+        let err = parse(&["--config", p]).unwrap_err();
+        assert!(format!("{err:#}").contains("unknown setting"), "{err:#}");
+    }
+
+    #[test]
+    fn production_stack_flags_map() {
+        let args = parse(&[
+            "--static-backends",
+            "http://a:1,http://b:2",
+            "--static-models",
+            "m1,m2",
+            "--routing-logic",
+            "session",
+            "--session-key",
+            "x-user",
+            "--port",
+            "9999",
+            "--service-discovery",
+            "static",
+        ])
+        .unwrap();
+        assert_eq!(args.policy, PolicyKind::Session);
+        assert_eq!(args.session_header, "x-user");
+        assert_eq!(args.listen.port(), 9999);
+        let specs = args.backend_specs().unwrap();
+        assert_eq!(specs[0].models, Some(vec!["m1".to_owned()]));
+        assert_eq!(specs[1].models, Some(vec!["m2".to_owned()]));
+        assert!(parse(&["--routing-logic", "disaggregated_prefill"]).is_err());
+    }
+}

@@ -1,0 +1,253 @@
+//! Watching the backends: health checks, model discovery, load and cache size from their
+//! `/metrics`.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::{Method, Request};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+
+use super::backend::Backend;
+use super::Gateway;
+
+/// What a backend's `/metrics` tells the router.
+#[derive(Debug, Default, PartialEq)]
+pub struct Reported {
+    pub running: Option<f64>,
+    pub waiting: Option<f64>,
+    pub kv_usage: Option<f64>,
+    pub block_size: Option<u64>,
+    pub num_gpu_blocks: Option<u64>,
+}
+
+/// Reads the few vLLM metrics the router uses (summed over label sets, e.g. several engines).
+pub fn parse_metrics(text: &str) -> Reported {
+    let mut r = Reported::default();
+    let add = |slot: &mut Option<f64>, v: f64| *slot = Some(slot.unwrap_or(0.0) + v);
+    for line in text.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        let (name_labels, value) = match line.rsplit_once(' ') {
+            Some(x) => x,
+            None => continue,
+        };
+        let name = name_labels.split('{').next().unwrap_or("");
+        let value: f64 = value.parse().unwrap_or(f64::NAN);
+        match name {
+            "vllm:num_requests_running" => add(&mut r.running, value),
+            "vllm:num_requests_waiting" => add(&mut r.waiting, value),
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
+                r.kv_usage = Some(r.kv_usage.unwrap_or(0.0).max(value))
+            }
+            "vllm:cache_config_info" => {
+                let label = |key: &str| -> Option<u64> {
+                    let start = name_labels.find(&format!("{key}=\""))? + key.len() + 2;
+                    let rest = &name_labels[start..];
+                    rest[..rest.find('"')?].parse().ok()
+                };
+                r.block_size = label("block_size");
+                r.num_gpu_blocks = label("num_gpu_blocks");
+            }
+            _ => {}
+        }
+    }
+    r
+}
+
+/// GETs `path` on a backend, returning the body if the answer is a 2xx within `timeout`.
+pub async fn get(gw: &Gateway, backend: &Backend, path: &str, timeout: Duration) -> Option<Bytes> {
+    let mut req = Request::builder()
+        .method(Method::GET)
+        .uri(format!("{}{path}", backend.url()))
+        .body(Full::new(Bytes::new()))
+        .ok()?;
+    if let Some(auth) = &backend.authorization {
+        req.headers_mut()
+            .insert(axum::http::header::AUTHORIZATION, auth.clone());
+    }
+    let fetch = async {
+        let resp = gw.client.request(req).await.ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        // Limit what a misbehaving backend can make us buffer.
+        Limited::new(resp.into_body(), 8 << 20)
+            .collect()
+            .await
+            .ok()
+            .map(|b| b.to_bytes())
+    };
+    tokio::time::timeout(timeout, fetch).await.ok().flatten()
+}
+
+/// Model ids from an OpenAI `/v1/models` answer.
+pub fn parse_models(body: &[u8]) -> Option<Vec<String>> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    Some(
+        v.get("data")?
+            .as_array()?
+            .iter()
+            .filter_map(|m| m.get("id")?.as_str().map(str::to_owned))
+            .collect(),
+    )
+}
+
+/// One health round for one backend: `/health`, then (if healthy and not configured) its
+/// models.
+pub async fn check_backend(gw: &Arc<Gateway>, backend: &Arc<Backend>) {
+    let timeout = gw.settings.health_timeout;
+    let ok = get(gw, backend, "/health", timeout).await.is_some();
+    if !ok {
+        gw.backend_failed(backend);
+        return;
+    }
+    if backend.spec.models.is_none() {
+        match get(gw, backend, "/v1/models", timeout)
+            .await
+            .as_deref()
+            .and_then(parse_models)
+        {
+            Some(models) => {
+                let current = backend.models.load();
+                if current.len() != models.len()
+                    || current.iter().zip(&models).any(|(a, b)| **a != **b)
+                {
+                    tracing::info!(backend = backend.url(), ?models, "models discovered");
+                    backend.models.store(Arc::new(
+                        models.iter().map(|m| Arc::from(m.as_str())).collect(),
+                    ));
+                }
+            }
+            None => {
+                gw.backend_failed(backend);
+                return;
+            }
+        }
+    }
+    if backend.record_success() {
+        tracing::info!(backend = backend.url(), "backend is healthy again");
+    }
+}
+
+/// One load round for one backend: running, waiting, KV usage and cache size.
+pub async fn scrape_backend(gw: &Arc<Gateway>, backend: &Arc<Backend>) {
+    let Some(body) = get(gw, backend, "/metrics", gw.settings.health_timeout).await else {
+        return;
+    };
+    let r = parse_metrics(&String::from_utf8_lossy(&body));
+    let running = r.running.unwrap_or(0.0).max(0.0) as u64;
+    let waiting = r.waiting.unwrap_or(0.0).max(0.0) as u64;
+    backend.reported_running.store(running, Relaxed);
+    backend.reported_waiting.store(waiting, Relaxed);
+    backend.reported_queue.store(running + waiting, Relaxed);
+    if let Some(kv) = r.kv_usage {
+        backend.kv_usage_bits.store(kv.to_bits(), Relaxed);
+    }
+    if let (Some(block_size), Some(blocks), None) =
+        (r.block_size, r.num_gpu_blocks, backend.spec.capacity)
+    {
+        // Chunks of request text that fit in the KV cache: tokens × ~4 bytes per token.
+        let chunk = gw.hasher.chunk_size() as u64;
+        let capacity = (blocks * block_size * 4 / chunk).clamp(1, prefix_index::MAX_CAPACITY);
+        if backend.capacity.swap(capacity, Relaxed) != capacity {
+            match gw.store.set_capacity(backend.id, capacity).await {
+                Ok(evicted) => tracing::info!(
+                    backend = backend.url(),
+                    capacity,
+                    evicted,
+                    "index capacity from the backend's KV cache size"
+                ),
+                Err(e) => {
+                    tracing::warn!(backend = backend.url(), error = %e, "could not set the index capacity")
+                }
+            }
+        }
+    }
+}
+
+/// Runs health checks and load scrapes until the gateway is dropped.
+pub fn spawn(gw: &Arc<Gateway>) {
+    let weak = Arc::downgrade(gw);
+    let health_every = gw.settings.health_interval;
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(health_every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(gw) = weak.upgrade() else { return };
+            let backends = gw.fleet.all();
+            futures_util::future::join_all(backends.iter().map(|b| check_backend(&gw, b))).await;
+        }
+    });
+    let weak = Arc::downgrade(gw);
+    let scrape_every = gw.settings.metrics_interval;
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(scrape_every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last: Vec<(u64, u64)> = Vec::new();
+        let mut last_at = tokio::time::Instant::now();
+        loop {
+            tick.tick().await;
+            let Some(gw) = weak.upgrade() else { return };
+            let backends = gw.fleet.all();
+            futures_util::future::join_all(backends.iter().map(|b| scrape_backend(&gw, b))).await;
+            // Requests per second since the last round.
+            let now = tokio::time::Instant::now();
+            let secs = now.duration_since(last_at).as_secs_f64().max(1e-3);
+            for b in backends.iter() {
+                let total = b.routed.load(Relaxed);
+                let before = last
+                    .iter()
+                    .find(|(id, _)| *id == b.id)
+                    .map_or(total, |(_, n)| *n);
+                b.qps_bits.store(
+                    ((total - before.min(total)) as f64 / secs).to_bits(),
+                    Relaxed,
+                );
+            }
+            last = backends
+                .iter()
+                .map(|b| (b.id, b.routed.load(Relaxed)))
+                .collect();
+            last_at = now;
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_vllm_metrics() {
+        let text = "# HELP x\nvllm:num_requests_running{engine=\"0\",model_name=\"m\"} 3.0\n\
+            vllm:num_requests_running{engine=\"1\",model_name=\"m\"} 2.0\n\
+            vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 7.0\n\
+            vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n\
+            vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",num_gpu_blocks=\"24000\"} 1.0\n";
+        assert_eq!(
+            parse_metrics(text),
+            Reported {
+                running: Some(5.0),
+                waiting: Some(7.0),
+                kv_usage: Some(0.25),
+                block_size: Some(16),
+                num_gpu_blocks: Some(24000),
+            }
+        );
+        assert_eq!(parse_metrics("garbage\n{}\n"), Reported::default());
+    }
+
+    #[test]
+    fn reads_models() {
+        let body = br#"{"object":"list","data":[{"id":"a","object":"model"},{"id":"b"}]}"#;
+        assert_eq!(
+            parse_models(body),
+            Some(vec!["a".to_owned(), "b".to_owned()])
+        );
+        assert_eq!(parse_models(b"{}"), None);
+    }
+}
