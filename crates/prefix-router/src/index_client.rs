@@ -198,9 +198,11 @@ impl PrefixStore for IndexClient {
             .collect()
     }
 
-    /// The index purges by itself; a client has nothing to do.
-    async fn purge_expired(&self, _now: Tick) -> Result<u64, StoreError> {
-        Ok(0)
+    async fn purge_expired(&self, now: Tick) -> Result<u64, StoreError> {
+        let v = self
+            .call(Method::POST, "/v1/purge", Some(json!({"t": now.secs()})))
+            .await?;
+        count(&v, "purged")
     }
 
     fn kind(&self) -> &'static str {

@@ -83,6 +83,12 @@ struct QueryBody {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+struct PurgeBody {
+    t: Option<f64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct CompatibilityBody {
     chunk_size: usize,
     hash_fingerprint: u64,
@@ -218,6 +224,16 @@ async fn drop_server(
     Ok(Json(json!({"server_id": id, "removed": removed})).into_response())
 }
 
+/// Removes the entries a TTL already hides at `t` (default: now).
+async fn purge(
+    State(state): State<IndexState>,
+    JsonBody(body): JsonBody<PurgeBody>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let t = time(body.t)?;
+    let purged = state.store_result(state.store.purge_expired(t).await)?;
+    Ok(Json(json!({ "purged": purged })))
+}
+
 /// Whether a client hashes requests as this server does (same chunk size and seed), without
 /// revealing anything about the seed but the yes or no.
 async fn compatibility(
@@ -262,6 +278,7 @@ pub fn app(state: IndexState) -> Router {
         .route("/v1/servers", get(list_servers))
         .route("/v1/servers/{id}", put(set_capacity).delete(drop_server))
         .route("/v1/compatibility", post(compatibility))
+        .route("/v1/purge", post(purge))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .method_not_allowed_fallback(api_error::wrong_method)

@@ -23,6 +23,9 @@ pub struct IndexArgs {
     pub listen: SocketAddr,
     #[command(flatten)]
     pub store: StoreArgs,
+    /// How often expired entries (see `--ttl`) are purged; 0s never (they stay invisible).
+    #[arg(long, env = "PREFIX_ROUTER_PURGE_INTERVAL", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub purge_interval: Duration,
     /// Largest accepted request body, in bytes.
     #[arg(long, env = "PREFIX_ROUTER_MAX_BODY", default_value_t = 16 << 20)]
     pub max_body: usize,
@@ -46,8 +49,8 @@ impl IndexArgs {
 fn state(args: &IndexArgs) -> anyhow::Result<IndexState> {
     let store = args.store.open()?;
     let state = IndexState::new(store.clone(), args.store.hasher()?, args.max_body);
-    if let Some(ttl) = args.store.config()?.ttl_ms {
-        spawn_purger(store, ttl, state.clock());
+    if args.store.config()?.ttl_ms.is_some() && !args.purge_interval.is_zero() {
+        spawn_purger(store, args.purge_interval, state.clock());
     }
     Ok(state)
 }
@@ -56,8 +59,7 @@ fn state(args: &IndexArgs) -> anyhow::Result<IndexState> {
 ///
 /// "Now" is the latest `t` a notify brought, not the wall clock: clients may give times on
 /// their own scale, and entries must not vanish because of a clock they never used.
-fn spawn_purger(store: Arc<dyn PrefixStore>, ttl_ms: u64, clock: Arc<AtomicU64>) {
-    let period = Duration::from_millis(ttl_ms.clamp(1_000, 60_000));
+fn spawn_purger(store: Arc<dyn PrefixStore>, period: Duration, clock: Arc<AtomicU64>) {
     tokio::spawn(async move {
         let mut ticker = tokio::time::interval(period);
         loop {
