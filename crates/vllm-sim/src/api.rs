@@ -95,6 +95,7 @@ pub fn router(server: Server) -> Router {
         .route("/sim/kill", post(kill))
         .route("/sim/revive", post(revive))
         .route("/sim/state", get(sim_state))
+        .route("/sim/config", post(sim_config))
         .fallback(|| async { SimError::with_status(StatusCode::NOT_FOUND, "Not Found") })
         .with_state(server)
 }
@@ -244,7 +245,6 @@ impl Run {
             + self
                 .server
                 .engine
-                .config
                 .real(k as f64 * self.server.engine.config.itl_ms / 1000.0)
     }
 
@@ -291,7 +291,7 @@ impl Run {
             for prompt in &self.req.prompts {
                 let started = self.start(prompt).await?;
                 let last = self.token_time(&started, started.words.len().saturating_sub(1));
-                if self.server.engine.config.time_scale > 0.0 {
+                if self.server.engine.time_scale() > 0.0 {
                     tokio::time::sleep_until(last.into()).await;
                 }
                 outcomes.push(self.finish(started));
@@ -333,7 +333,7 @@ impl Run {
             }
             let n = started.words.len();
             for k in 0..n {
-                if self.server.engine.config.time_scale > 0.0 {
+                if self.server.engine.time_scale() > 0.0 {
                     tokio::time::sleep_until(self.token_time(&started, k).into()).await;
                 }
                 if self.server.engine.is_killed() {
@@ -471,6 +471,22 @@ async fn kill(State(server): State<Server>) -> Json<Value> {
 async fn revive(State(server): State<Server>) -> Json<Value> {
     server.engine.revive();
     Json(json!({"status": "alive"}))
+}
+
+/// Changes settings at run time: `{"time_scale": f}` (benchmarks measure router overhead
+/// against servers that do not wait).
+async fn sim_config(State(server): State<Server>, body: Bytes) -> Response {
+    let value = match parse_json(&body) {
+        Ok(v) => v,
+        Err(e) => return e.into_response(),
+    };
+    match value.get("time_scale").and_then(Value::as_f64) {
+        Some(scale) if scale >= 0.0 && scale.is_finite() => {
+            server.engine.set_time_scale(scale);
+            Json(json!({"time_scale": scale})).into_response()
+        }
+        _ => SimError::bad_request("give `time_scale`, a finite number >= 0").into_response(),
+    }
 }
 
 async fn sim_state(State(server): State<Server>) -> Json<Value> {

@@ -4,8 +4,6 @@
 //! "simulator" section for the arithmetic): 24,000 KV blocks of 16 tokens, 20,000 prefill
 //! tokens/s, 8 ms between output tokens, 256 sequences at once.
 
-use std::time::Duration;
-
 #[derive(clap::Args, Debug, Clone)]
 pub struct SimConfig {
     /// Model name the servers serve (`/v1/models`, checked against each request's `model`).
@@ -82,20 +80,6 @@ impl SimConfig {
             "--fail-rate must be within 0..1"
         );
         Ok(())
-    }
-
-    /// Real time that `sim_secs` of simulated time takes.
-    pub fn real(&self, sim_secs: f64) -> Duration {
-        Duration::from_secs_f64((sim_secs * self.time_scale).max(0.0))
-    }
-
-    /// Simulated seconds that a real duration stands for (0 when time does not pass).
-    pub fn simulated(&self, real: Duration) -> f64 {
-        if self.time_scale > 0.0 {
-            real.as_secs_f64() / self.time_scale
-        } else {
-            0.0
-        }
     }
 
     /// Simulated time to prefill `uncached` tokens.

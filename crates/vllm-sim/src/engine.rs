@@ -7,7 +7,7 @@
 //! when it finishes or its client goes away.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -66,6 +66,8 @@ pub struct Engine {
     wake: Notify,
     killed: AtomicBool,
     stopped: AtomicBool,
+    /// `--time-scale`, changeable at run time (`POST /sim/config`), as f64 bits.
+    time_scale_bits: AtomicU64,
     /// Wakes streams when the server is killed.
     pub kill_signal: Notify,
 }
@@ -83,6 +85,7 @@ impl Engine {
             wake: Notify::new(),
             killed: AtomicBool::new(false),
             stopped: AtomicBool::new(false),
+            time_scale_bits: AtomicU64::new(config.time_scale.to_bits()),
             kill_signal: Notify::new(),
             config,
         });
@@ -135,6 +138,30 @@ impl Engine {
     /// Cached blocks right now.
     pub fn cached_blocks(&self) -> usize {
         self.state.lock().cache.cached_blocks()
+    }
+
+    /// The current time scale (0: simulated time does not pass).
+    pub fn time_scale(&self) -> f64 {
+        f64::from_bits(self.time_scale_bits.load(Relaxed))
+    }
+
+    pub fn set_time_scale(&self, scale: f64) {
+        self.time_scale_bits.store(scale.to_bits(), Relaxed);
+    }
+
+    /// Real time that `sim_secs` of simulated time takes now.
+    pub fn real(&self, sim_secs: f64) -> std::time::Duration {
+        std::time::Duration::from_secs_f64((sim_secs * self.time_scale()).max(0.0))
+    }
+
+    /// Simulated seconds a real duration stands for (0 when time does not pass).
+    pub fn simulated(&self, real: std::time::Duration) -> f64 {
+        let scale = self.time_scale();
+        if scale > 0.0 {
+            real.as_secs_f64() / scale
+        } else {
+            0.0
+        }
     }
 
     pub fn is_killed(&self) -> bool {
@@ -210,9 +237,9 @@ async fn prefill(engine: &Arc<Engine>, w: Waiting, mut alloc: Allocation, free_a
     // Planned times, not measured ones: a late wake-up shortens the next wait instead of
     // pushing every later request back (timers have a resolution of about 1 ms).
     let start = (*free_at).max(Instant::now());
-    let done = start + config.real(prefill_secs);
+    let done = start + engine.real(prefill_secs);
     *free_at = done;
-    if config.time_scale > 0.0 {
+    if engine.time_scale() > 0.0 {
         tokio::time::sleep_until(done.into()).await;
     }
     let prompt_blocks = w.job.prompt_tokens / config.block_size;
@@ -226,7 +253,7 @@ async fn prefill(engine: &Arc<Engine>, w: Waiting, mut alloc: Allocation, free_a
     m.prefix_cache_hits.fetch_add(cached_tokens as u64, Relaxed);
     m.prompt_tokens
         .fetch_add(w.job.prompt_tokens as u64, Relaxed);
-    let ttft_secs = config
+    let ttft_secs = engine
         .simulated(done.saturating_duration_since(w.arrived))
         .max(prefill_secs);
     m.ttft.observe(ttft_secs);
