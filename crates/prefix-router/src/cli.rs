@@ -29,6 +29,16 @@ pub enum Command {
     Index(IndexArgs),
     /// A fleet of simulated vLLM servers (prefix cache, queueing, vLLM's API and metrics).
     Sim(vllm_sim::SimArgs),
+    /// Benchmarks: one workload against one URL (`run`), or every system side by side
+    /// (`compare`).
+    Bench(Box<prefix_bench::BenchArgs>),
+    /// A one-minute tour: simulated servers, round robin vs prefix_load on a shared-prefix
+    /// workload, and the table.
+    Demo {
+        /// Where the results go.
+        #[arg(long, default_value = "demo-results")]
+        out: std::path::PathBuf,
+    },
 }
 
 /// Sets up logging to stderr.

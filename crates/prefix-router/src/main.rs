@@ -11,6 +11,14 @@ async fn main() -> std::process::ExitCode {
             Err(e) => Err(e),
         },
         Command::Index(args) => prefix_router::index::run(args).await,
+        Command::Bench(args) => match std::env::current_exe() {
+            Ok(exe) => prefix_bench::run(*args, exe).await,
+            Err(e) => Err(e.into()),
+        },
+        Command::Demo { out } => match std::env::current_exe() {
+            Ok(exe) => prefix_bench::demo(&exe, out).await.map(|_| ()),
+            Err(e) => Err(e.into()),
+        },
         Command::Sim(args) => vllm_sim::run(args, prefix_router::server::shutdown_signal()).await,
     };
     match result {

@@ -1,0 +1,131 @@
+//! The simulated fleet under test: started here or already running, and its counters.
+
+use std::net::SocketAddr;
+
+use anyhow::Context;
+use clap::Parser;
+use serde_json::json;
+use vllm_sim::{Fleet, SimConfig};
+
+/// The sims' totals at one moment.
+#[derive(Clone, Debug, Default)]
+pub struct Counters {
+    pub hits: f64,
+    pub queries: f64,
+    /// Finished requests, per server.
+    pub finished: Vec<f64>,
+}
+
+impl Counters {
+    /// What happened between `before` and `self`.
+    pub fn since(&self, before: &Counters) -> Counters {
+        Counters {
+            hits: self.hits - before.hits,
+            queries: self.queries - before.queries,
+            finished: self
+                .finished
+                .iter()
+                .zip(before.finished.iter().chain(std::iter::repeat(&0.0)))
+                .map(|(a, b)| a - b)
+                .collect(),
+        }
+    }
+}
+
+pub struct SimFleet {
+    pub urls: Vec<String>,
+    owned: Option<Fleet>,
+}
+
+#[derive(Parser)]
+struct SimWords {
+    #[command(flatten)]
+    config: SimConfig,
+}
+
+/// Parses `--sim-args` (the `sim` subcommand's flags, space-separated).
+pub fn sim_config(words: &str) -> anyhow::Result<SimConfig> {
+    let argv = std::iter::once("sim").chain(words.split_whitespace());
+    Ok(SimWords::try_parse_from(argv)
+        .context("in --sim-args")?
+        .config)
+}
+
+impl SimFleet {
+    /// Starts `n` sims in this process on free ports.
+    pub async fn start(n: usize, config: SimConfig) -> anyhow::Result<Self> {
+        let fleet = Fleet::start(config, n, SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+        Ok(Self {
+            urls: fleet.urls(),
+            owned: Some(fleet),
+        })
+    }
+
+    /// Uses sims that are already running.
+    pub fn attach(urls: Vec<String>) -> Self {
+        Self {
+            urls: urls
+                .into_iter()
+                .map(|u| u.trim_end_matches('/').to_owned())
+                .collect(),
+            owned: None,
+        }
+    }
+
+    pub async fn counters(&self, client: &reqwest::Client) -> anyhow::Result<Counters> {
+        let mut c = Counters::default();
+        for url in &self.urls {
+            let text = client
+                .get(format!("{url}/metrics"))
+                .send()
+                .await
+                .with_context(|| format!("cannot read {url}/metrics"))?
+                .text()
+                .await?;
+            let sum = |name: &str| -> f64 {
+                text.lines()
+                    .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+                    .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                    .sum()
+            };
+            c.hits += sum("vllm:prefix_cache_hits_total");
+            c.queries += sum("vllm:prefix_cache_queries_total");
+            c.finished.push(sum("vllm:request_success_total"));
+        }
+        Ok(c)
+    }
+
+    async fn post_all(
+        &self,
+        client: &reqwest::Client,
+        path: &str,
+        body: serde_json::Value,
+    ) -> anyhow::Result<()> {
+        for url in &self.urls {
+            let status = client
+                .post(format!("{url}{path}"))
+                .json(&body)
+                .send()
+                .await?
+                .status();
+            anyhow::ensure!(status.is_success(), "{url}{path} answered {status}");
+        }
+        Ok(())
+    }
+
+    /// Empties every cache and counter.
+    pub async fn reset(&self, client: &reqwest::Client) -> anyhow::Result<()> {
+        self.post_all(client, "/sim/reset", json!({})).await
+    }
+
+    pub async fn set_time_scale(&self, client: &reqwest::Client, scale: f64) -> anyhow::Result<()> {
+        self.post_all(client, "/sim/config", json!({ "time_scale": scale }))
+            .await
+    }
+
+    pub async fn shutdown(self) {
+        if let Some(fleet) = self.owned {
+            fleet.shutdown().await;
+        }
+    }
+}

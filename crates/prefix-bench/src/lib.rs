@@ -1,0 +1,467 @@
+//! prefix-bench: the same workload against every routing system, on the same simulated fleet,
+//! in one run. It talks HTTP like a user; our router runs as its own process, like the peers.
+
+pub mod driver;
+pub mod fleet;
+pub mod oracle;
+pub mod report;
+pub mod stats;
+pub mod systems;
+pub mod workload;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+
+use driver::{Arrivals, Driven, Target};
+use fleet::SimFleet;
+use report::{Figures, SystemResult};
+use systems::{LaunchContext, System};
+use workload::{Job, WorkloadArgs, WorkloadKind};
+
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub command: BenchCommand,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum BenchCommand {
+    /// One workload against one OpenAI-compatible URL.
+    Run(RunArgs),
+    /// The same workload against every system, on one simulated fleet.
+    Compare(CompareArgs),
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct LoadArgs {
+    /// Poisson arrivals at this rate (requests/s; for multi-turn, new conversations/s).
+    /// Default: 60 shared-prefix, 4 multi-turn, 20 prefix-repetition, 40 random.
+    #[arg(long)]
+    pub qps: Option<f64>,
+    /// Closed loop with this many clients instead of Poisson arrivals.
+    #[arg(long, conflicts_with = "qps")]
+    pub concurrency: Option<usize>,
+    /// Send at most this many requests.
+    #[arg(long)]
+    pub requests: Option<usize>,
+    /// Start no request after this many seconds.
+    #[arg(long)]
+    pub duration: Option<f64>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// The OpenAI-compatible base URL (without /v1).
+    #[arg(long)]
+    pub url: String,
+    /// Sim servers behind it, to report hit rate and imbalance (repeatable).
+    #[arg(long)]
+    pub sim_url: Vec<String>,
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
+    #[command(flatten)]
+    pub load: LoadArgs,
+    /// Write results.json, results.md and chart.svg here.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct CompareArgs {
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
+    #[command(flatten)]
+    pub load: LoadArgs,
+    /// Start this many sim servers in this process.
+    #[arg(long, default_value_t = 8)]
+    pub sim_servers: usize,
+    /// Use sim servers already running instead (repeatable).
+    #[arg(long)]
+    pub sim_url: Vec<String>,
+    /// Flags for the started sims, as for `prefix-router sim`. The default makes one server's
+    /// cache too small for all shared-prefix prefixes while the fleet's holds them.
+    #[arg(long, default_value = "--kv-blocks 3000")]
+    pub sim_args: String,
+    /// Comma-separated systems (default: all).
+    #[arg(long, value_delimiter = ',')]
+    pub systems: Vec<String>,
+    /// Where results.json, results.md and chart.svg go.
+    #[arg(long, default_value = "bench-results")]
+    pub out: PathBuf,
+    /// PostgreSQL for the prefix_load+postgres system.
+    #[arg(long)]
+    pub postgres_url: Option<String>,
+    /// Router processes of the prefix_load+replicas system (clients spread over them).
+    #[arg(long, default_value_t = 4)]
+    pub router_replicas: usize,
+    /// Router overhead: Poisson rate of the overhead phase (requests/s)...
+    #[arg(long, default_value_t = 1000.0)]
+    pub overhead_qps: f64,
+    /// ... and its requests (0 skips the phase).
+    #[arg(long, default_value_t = 1000)]
+    pub overhead_requests: usize,
+    /// Seconds of the closed-loop maximum-throughput phase (0 skips it).
+    #[arg(long, default_value_t = 3.0)]
+    pub throughput_secs: f64,
+    /// Virtualenv holding the peer routers (made by scripts/peers-venv.sh).
+    #[arg(long, default_value = "target/peers-venv")]
+    pub peers_venv: PathBuf,
+    /// Load-guard settings of prefix_load and the oracle.
+    #[arg(long, default_value_t = 0.5)]
+    pub cache_threshold: f64,
+    #[arg(long, default_value_t = 8)]
+    pub balance_abs: u64,
+    #[arg(long, default_value_t = 1.5)]
+    pub balance_rel: f64,
+}
+
+fn default_qps(kind: WorkloadKind) -> f64 {
+    match kind {
+        WorkloadKind::SharedPrefix => 60.0,
+        WorkloadKind::MultiTurn => 4.0,
+        WorkloadKind::PrefixRepetition => 20.0,
+        WorkloadKind::Random | WorkloadKind::Trace => 40.0,
+    }
+}
+
+fn arrivals(w: &WorkloadArgs, load: &LoadArgs) -> Arrivals {
+    match (load.concurrency, w.workload) {
+        (Some(c), _) => Arrivals::Closed(c),
+        (None, WorkloadKind::Trace) if load.qps.is_none() => Arrivals::Trace,
+        (None, kind) => Arrivals::Poisson(load.qps.unwrap_or_else(|| default_qps(kind))),
+    }
+}
+
+/// The workload's jobs, cut to `--requests`.
+fn limited_jobs(w: &WorkloadArgs, load: &LoadArgs) -> anyhow::Result<Vec<Job>> {
+    let mut jobs = workload::jobs(w)?;
+    if let Some(limit) = load.requests {
+        let mut total = 0;
+        jobs.retain(|j| {
+            total += j.requests();
+            total <= limit
+        });
+    }
+    Ok(jobs)
+}
+
+fn progress(total: usize, label: &str) -> ProgressBar {
+    let bar = ProgressBar::new(total as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{prefix:>22} [{bar:30}] {pos}/{len} {elapsed}")
+            .expect("a valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(label.to_owned());
+    bar
+}
+
+fn workload_name(w: &WorkloadArgs) -> String {
+    serde_json::to_value(w.workload)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+/// A small request for the overhead and throughput phases.
+fn probe_body(i: u64) -> serde_json::Value {
+    json!({"model": "sim-model", "max_tokens": 1, "messages": [
+        {"role": "user", "content": workload::text(0xFEED ^ i, 64)}]})
+}
+
+/// Latencies (ms) of `n` small requests at `qps` against `target`.
+async fn latencies(target: Target, n: usize, qps: f64) -> Vec<f64> {
+    let jobs = (0..n as u64)
+        .map(|i| {
+            Job::Single(workload::TraceItem {
+                t: None,
+                endpoint: workload::Api::Chat,
+                body: probe_body(i),
+            })
+        })
+        .collect();
+    let w = quiet_workload();
+    let driven = driver::drive(
+        target,
+        jobs,
+        &w,
+        Arrivals::Poisson(qps),
+        None,
+        ProgressBar::hidden(),
+    )
+    .await;
+    driven
+        .samples
+        .iter()
+        .filter(|s| s.ok)
+        .map(|s| s.e2e * 1e3)
+        .collect()
+}
+
+fn quiet_workload() -> WorkloadArgs {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct W {
+        #[command(flatten)]
+        w: WorkloadArgs,
+    }
+    W::parse_from(["w", "--no-stream"]).w
+}
+
+/// Runs the workload against one system and measures it.
+async fn measure(
+    args: &CompareArgs,
+    fleet: &SimFleet,
+    client: &reqwest::Client,
+    system: System,
+    launched: &systems::Launched,
+) -> anyhow::Result<Figures> {
+    let target = || match &launched.oracle {
+        Some(o) => Target::Oracle(o.clone()),
+        None => Target::urls(launched.urls.clone()),
+    };
+    let cpu_before = systems::cpu_seconds(&launched.router_pids);
+    fleet.reset(client).await?;
+    let before = fleet.counters(client).await?;
+    let jobs = limited_jobs(&args.workload, &args.load)?;
+    let total: usize = jobs.iter().map(Job::requests).sum();
+    let driven: Driven = driver::drive(
+        target(),
+        jobs,
+        &args.workload,
+        arrivals(&args.workload, &args.load),
+        args.load.duration.map(Duration::from_secs_f64),
+        progress(total, system.name()),
+    )
+    .await;
+    let counters = fleet.counters(client).await?.since(&before);
+    let mut figures = report::figures(&driven.samples, &counters, driven.wall.as_secs_f64());
+    if let Some(path) = &args.workload.write_trace {
+        workload::write_trace(path, &driven.sent)?;
+    }
+    let mut requests = driven.samples.len();
+    // Router overhead and maximum throughput, against sims that do not wait.
+    fleet.set_time_scale(client, 0.0).await?;
+    if args.overhead_requests > 0 {
+        let direct = latencies(
+            Target::urls(fleet.urls.clone()),
+            args.overhead_requests,
+            args.overhead_qps,
+        )
+        .await;
+        let routed = latencies(target(), args.overhead_requests, args.overhead_qps).await;
+        requests += routed.len();
+        let p = |v: &[f64], q| stats::percentile(v, q);
+        figures.router_overhead_p50_ms = Some(p(&routed, 50.0) - p(&direct, 50.0));
+        figures.router_overhead_p99_ms = Some(p(&routed, 99.0) - p(&direct, 99.0));
+    }
+    if args.throughput_secs > 0.0 {
+        // More than 64 clients can send in the time (about 20,000 requests/s at most here).
+        let jobs: Vec<Job> = (0..(args.throughput_secs * 20_000.0) as u64)
+            .map(|i| {
+                Job::Single(workload::TraceItem {
+                    t: None,
+                    endpoint: workload::Api::Chat,
+                    body: probe_body(i % 4096),
+                })
+            })
+            .collect();
+        let w = quiet_workload();
+        let secs = args.throughput_secs;
+        let driven = driver::drive(
+            target(),
+            jobs,
+            &w,
+            Arrivals::Closed(64),
+            Some(Duration::from_secs_f64(secs)),
+            ProgressBar::hidden(),
+        )
+        .await;
+        let ok = driven.samples.iter().filter(|s| s.ok).count();
+        requests += driven.samples.len();
+        figures.max_rps = Some(ok as f64 / driven.wall.as_secs_f64());
+    }
+    fleet
+        .set_time_scale(client, fleet_time_scale(args)?)
+        .await?;
+    if !launched.router_pids.is_empty() {
+        let cpu = systems::cpu_seconds(&launched.router_pids) - cpu_before;
+        figures.cpu_ms_per_request = Some(cpu * 1e3 / requests.max(1) as f64);
+    }
+    Ok(figures)
+}
+
+fn fleet_time_scale(args: &CompareArgs) -> anyhow::Result<f64> {
+    Ok(fleet::sim_config(&args.sim_args)?.time_scale)
+}
+
+/// `prefix-router bench compare`.
+pub async fn compare(args: CompareArgs, router_exe: PathBuf) -> anyhow::Result<Vec<SystemResult>> {
+    let client = driver::client();
+    let fleet = if args.sim_url.is_empty() {
+        SimFleet::start(args.sim_servers, fleet::sim_config(&args.sim_args)?).await?
+    } else {
+        SimFleet::attach(args.sim_url.clone())
+    };
+    let systems: Vec<System> = if args.systems.is_empty() {
+        systems::ALL.to_vec()
+    } else {
+        args.systems
+            .iter()
+            .map(|s| System::parse(s))
+            .collect::<anyhow::Result<_>>()?
+    };
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("cannot create {}", args.out.display()))?;
+    let ctx = LaunchContext {
+        router_exe,
+        sims: fleet.urls.clone(),
+        postgres_url: args.postgres_url.clone(),
+        replicas: args.router_replicas,
+        peers_venv: args.peers_venv.clone(),
+        work_dir: args.out.clone(),
+        cache_threshold: args.cache_threshold,
+        balance_abs: args.balance_abs,
+        balance_rel: args.balance_rel,
+    };
+    let workload = workload_name(&args.workload);
+    let mut results = Vec::new();
+    for system in systems {
+        let mut result = SystemResult {
+            name: system.name().into(),
+            workload: workload.clone(),
+            ..SystemResult::default()
+        };
+        match ctx.launch(&client, system).await {
+            Err(systems::Skipped(reason)) => {
+                eprintln!("{:>22}: skipped ({reason})", system.name());
+                result.skipped = true;
+                result.reason = Some(reason);
+            }
+            Ok(launched) => {
+                let measured = measure(&args, &fleet, &client, system, &launched).await;
+                launched.stop().await;
+                match measured {
+                    Ok(f) => {
+                        eprintln!(
+                            "{:>22}: hit rate {:.3}, TTFT mean {:.1} ms, p99 {:.1} ms, errors {}",
+                            system.name(),
+                            f.hit_rate,
+                            f.ttft_mean_ms,
+                            f.ttft_p99_ms,
+                            f.errors
+                        );
+                        result.figures = Some(f);
+                    }
+                    Err(e) => {
+                        result.skipped = true;
+                        result.reason = Some(format!("the run failed: {e:#}"));
+                    }
+                }
+            }
+        }
+        results.push(result);
+        report::write(
+            &args.out,
+            &results,
+            &format!("{workload}: {} sim servers", fleet.urls.len()),
+        )?;
+    }
+    fleet.shutdown().await;
+    println!("{}", report::markdown(&results));
+    println!("results in {}", args.out.display());
+    Ok(results)
+}
+
+/// `prefix-router bench run`.
+pub async fn run_one(args: RunArgs) -> anyhow::Result<Figures> {
+    let client = driver::client();
+    let fleet = SimFleet::attach(args.sim_url.clone());
+    let before = fleet.counters(&client).await?;
+    let jobs = limited_jobs(&args.workload, &args.load)?;
+    let total = jobs.iter().map(Job::requests).sum();
+    let driven = driver::drive(
+        Target::urls(vec![args.url.trim_end_matches('/').to_owned()]),
+        jobs,
+        &args.workload,
+        arrivals(&args.workload, &args.load),
+        args.load.duration.map(Duration::from_secs_f64),
+        progress(total, "run"),
+    )
+    .await;
+    let counters = fleet.counters(&client).await?.since(&before);
+    let figures = report::figures(&driven.samples, &counters, driven.wall.as_secs_f64());
+    if let Some(path) = &args.workload.write_trace {
+        workload::write_trace(path, &driven.sent)?;
+    }
+    let result = SystemResult {
+        name: args.url.clone(),
+        workload: workload_name(&args.workload),
+        figures: Some(figures.clone()),
+        ..SystemResult::default()
+    };
+    if let Some(out) = &args.out {
+        report::write(out, std::slice::from_ref(&result), &args.url)?;
+    }
+    println!("{}", report::markdown(&[result]));
+    if let Some(e) = driven.samples.iter().find_map(|s| s.error.as_ref()) {
+        eprintln!("first error: {e}");
+    }
+    Ok(figures)
+}
+
+/// Dispatches `prefix-router bench ...`.
+pub async fn run(args: BenchArgs, router_exe: PathBuf) -> anyhow::Result<()> {
+    match args.command {
+        BenchCommand::Run(a) => run_one(a).await.map(|_| ()),
+        BenchCommand::Compare(a) => compare(a, router_exe).await.map(|_| ()),
+    }
+}
+
+/// `prefix-router demo`: a small fleet, a short shared-prefix workload under round robin and
+/// prefix_load, and the table.
+pub async fn demo(router_exe: &Path, out: PathBuf) -> anyhow::Result<Vec<SystemResult>> {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct C {
+        #[command(flatten)]
+        c: CompareArgs,
+    }
+    let out = out.to_string_lossy().into_owned();
+    let args = C::parse_from([
+        "demo",
+        "--sim-servers",
+        "4",
+        "--sim-args=--kv-blocks 1400",
+        "--groups",
+        "16",
+        "--prompts-per-group",
+        "10",
+        "--system-len",
+        "1024",
+        "--question-len",
+        "64",
+        "--output-len",
+        "32",
+        "--qps",
+        "40",
+        "--systems",
+        "round_robin,prefix_load",
+        "--overhead-requests",
+        "300",
+        "--throughput-secs",
+        "0",
+        "--out",
+        &out,
+    ])
+    .c;
+    println!(
+        "prefix-router demo: 4 simulated vLLM servers (each caches ~1/3 of the 16 shared 1,024-token prompts), \
+         160 chat requests at 40/s, first round robin, then prefix_load.\n"
+    );
+    compare(args, router_exe.to_path_buf()).await
+}

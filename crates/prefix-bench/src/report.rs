@@ -1,0 +1,290 @@
+//! Results: one object per system (`results.json`), a markdown table and an SVG chart.
+
+use std::fmt::Write;
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::driver::Sample;
+use crate::fleet::Counters;
+use crate::stats::{mean, percentile};
+
+/// One system's figures (schema in the README). Times are real milliseconds.
+#[derive(Clone, Debug, Serialize, Default)]
+pub struct SystemResult {
+    pub name: String,
+    pub workload: String,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub figures: Option<Figures>,
+}
+
+#[derive(Clone, Debug, Serialize, Default)]
+pub struct Figures {
+    pub requests: usize,
+    /// Σ prefix-cache hits ÷ Σ queries (tokens) from the sims' `/metrics`.
+    pub hit_rate: f64,
+    /// The same from the answers' `usage.prompt_tokens_details.cached_tokens` (cross-check).
+    pub hit_rate_usage: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p90_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub ttft_mean_ms: f64,
+    pub e2e_p50_ms: f64,
+    pub throughput_rps: f64,
+    pub output_tps: f64,
+    /// Max ÷ mean requests per backend.
+    pub imbalance: f64,
+    pub errors: usize,
+    /// Latency through the system minus straight to a sim (sims not waiting), at the same
+    /// percentile.
+    pub router_overhead_p50_ms: Option<f64>,
+    pub router_overhead_p99_ms: Option<f64>,
+    /// Closed-loop requests/s through the system against sims that do not wait.
+    pub max_rps: Option<f64>,
+    /// CPU time of the router process(es) per request over the whole run.
+    pub cpu_ms_per_request: Option<f64>,
+}
+
+/// Summarises a run's samples and the sims' counters over it.
+pub fn figures(samples: &[Sample], counters: &Counters, wall_secs: f64) -> Figures {
+    let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
+    let ttft: Vec<f64> = ok.iter().map(|s| s.ttft * 1e3).collect();
+    let e2e: Vec<f64> = ok.iter().map(|s| s.e2e * 1e3).collect();
+    let prompt: u64 = ok.iter().map(|s| s.prompt_tokens).sum();
+    let cached: u64 = ok.iter().map(|s| s.cached_tokens).sum();
+    let output: u64 = ok.iter().map(|s| s.completion_tokens).sum();
+    let per_backend = &counters.finished;
+    let mean_load = mean(per_backend);
+    let max_load = per_backend.iter().cloned().fold(0.0, f64::max);
+    Figures {
+        requests: samples.len(),
+        hit_rate: if counters.queries > 0.0 {
+            counters.hits / counters.queries
+        } else {
+            0.0
+        },
+        hit_rate_usage: if prompt > 0 {
+            cached as f64 / prompt as f64
+        } else {
+            0.0
+        },
+        ttft_p50_ms: percentile(&ttft, 50.0),
+        ttft_p90_ms: percentile(&ttft, 90.0),
+        ttft_p99_ms: percentile(&ttft, 99.0),
+        ttft_mean_ms: mean(&ttft),
+        e2e_p50_ms: percentile(&e2e, 50.0),
+        throughput_rps: ok.len() as f64 / wall_secs.max(1e-9),
+        output_tps: output as f64 / wall_secs.max(1e-9),
+        imbalance: if mean_load > 0.0 {
+            max_load / mean_load
+        } else {
+            0.0
+        },
+        errors: samples.len() - ok.len(),
+        ..Figures::default()
+    }
+}
+
+fn ms(v: Option<f64>) -> String {
+    v.map_or("–".into(), |v| format!("{v:.3}"))
+}
+
+/// The markdown table of a comparison.
+pub fn markdown(results: &[SystemResult]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "| system | hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TTFT mean ms | e2e p50 ms | req/s | out tok/s | imbalance | errors | overhead p50 ms | overhead p99 ms | max req/s | CPU ms/req |"
+    );
+    let _ = writeln!(
+        out,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
+    for r in results {
+        match &r.figures {
+            None => {
+                let _ = writeln!(
+                    out,
+                    "| {} | skipped: {} |||||||||||||| ",
+                    r.name,
+                    r.reason.as_deref().unwrap_or("")
+                );
+            }
+            Some(f) => {
+                let _ = writeln!(
+                    out,
+                    "| {} | {:.3} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.2} | {} | {} | {} | {} | {} |",
+                    r.name,
+                    f.hit_rate,
+                    f.ttft_p50_ms,
+                    f.ttft_p90_ms,
+                    f.ttft_p99_ms,
+                    f.ttft_mean_ms,
+                    f.e2e_p50_ms,
+                    f.throughput_rps,
+                    f.output_tps,
+                    f.imbalance,
+                    f.errors,
+                    ms(f.router_overhead_p50_ms),
+                    ms(f.router_overhead_p99_ms),
+                    f.max_rps.map_or("–".into(), |v| format!("{v:.0}")),
+                    f.cpu_ms_per_request.map_or("–".into(), |v| format!("{v:.3}")),
+                );
+            }
+        }
+    }
+    out
+}
+
+/// A two-panel SVG bar chart: mean TTFT and hit rate per system.
+pub fn svg_chart(results: &[SystemResult], title: &str) -> String {
+    let ran: Vec<(&str, &Figures)> = results
+        .iter()
+        .filter_map(|r| r.figures.as_ref().map(|f| (r.name.as_str(), f)))
+        .collect();
+    let (w, bar_h, gap, left, panel_w) = (900.0, 22.0, 8.0, 190.0, 300.0);
+    let h = 70.0 + ran.len() as f64 * (bar_h + gap) + 40.0;
+    let max_ttft = ran.iter().map(|(_, f)| f.ttft_mean_ms).fold(1e-9, f64::max);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="13">"#
+    );
+    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="24" font-size="16" font-weight="bold">{}</text>"#,
+        20,
+        escape(title)
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="{left}" y="52">mean TTFT (ms, lower is better)</text>"#
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="52">prefix-cache hit rate (higher is better)</text>"#,
+        left + panel_w + 80.0
+    );
+    for (i, (name, f)) in ran.iter().enumerate() {
+        let y = 66.0 + i as f64 * (bar_h + gap);
+        let ours = !matches!(*name, "sglang-router" | "smg" | "vllm-router" | "oracle");
+        let color = if ours {
+            "#2f6fba"
+        } else if *name == "oracle" {
+            "#888888"
+        } else {
+            "#d9822b"
+        };
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" text-anchor="end">{}</text>"#,
+            left - 8.0,
+            y + 16.0,
+            escape(name)
+        );
+        let tw = panel_w * f.ttft_mean_ms / max_ttft;
+        let _ = writeln!(
+            s,
+            r#"<rect x="{left}" y="{y}" width="{tw:.1}" height="{bar_h}" fill="{color}"/>"#
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{:.1}" y="{}">{:.0}</text>"#,
+            left + tw + 4.0,
+            y + 16.0,
+            f.ttft_mean_ms
+        );
+        let hx = left + panel_w + 80.0;
+        let hw = panel_w * f.hit_rate.clamp(0.0, 1.0);
+        let _ = writeln!(
+            s,
+            r#"<rect x="{hx}" y="{y}" width="{hw:.1}" height="{bar_h}" fill="{color}"/>"#
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{:.1}" y="{}">{:.3}</text>"#,
+            hx + hw + 4.0,
+            y + 16.0,
+            f.hit_rate
+        );
+    }
+    let _ = writeln!(
+        s,
+        r##"<text x="20" y="{}" fill="#555">blue: prefix-router; orange: peer routers; grey: oracle (upper bound)</text>"##,
+        h - 14.0
+    );
+    s.push_str("</svg>\n");
+    s
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// Writes `results.json`, `results.md` and `chart.svg` into `dir`.
+pub fn write(dir: &Path, results: &[SystemResult], title: &str) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(
+        dir.join("results.json"),
+        serde_json::to_string_pretty(results)? + "\n",
+    )?;
+    std::fs::write(dir.join("results.md"), markdown(results))?;
+    std::fs::write(dir.join("chart.svg"), svg_chart(results, title))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn figures_from_samples() {
+        let samples: Vec<Sample> = (1..=10)
+            .map(|i| Sample {
+                ok: i != 10,
+                ttft: i as f64 / 1000.0,
+                e2e: 2.0 * i as f64 / 1000.0,
+                prompt_tokens: 100,
+                cached_tokens: 50,
+                completion_tokens: 10,
+                ..Sample::default()
+            })
+            .collect();
+        let counters = Counters {
+            hits: 30.0,
+            queries: 40.0,
+            finished: vec![6.0, 3.0],
+        };
+        let f = figures(&samples, &counters, 2.0);
+        assert_eq!(f.errors, 1);
+        assert_eq!(f.hit_rate, 0.75);
+        assert_eq!(f.hit_rate_usage, 0.5);
+        assert_eq!(f.ttft_p50_ms, 5.0);
+        assert_eq!(f.imbalance, 6.0 / 4.5);
+        assert_eq!(f.throughput_rps, 4.5);
+        assert_eq!(f.output_tps, 45.0);
+    }
+
+    #[test]
+    fn skipped_systems_say_why() {
+        let r = SystemResult {
+            name: "smg".into(),
+            workload: "random".into(),
+            skipped: true,
+            reason: Some("not installed".into()),
+            figures: None,
+        };
+        let v = serde_json::to_value([&r]).unwrap();
+        assert_eq!(v[0]["skipped"], true);
+        assert_eq!(v[0]["reason"], "not installed");
+        assert!(markdown(std::slice::from_ref(&r)).contains("skipped: not installed"));
+        assert!(svg_chart(&[r], "t").starts_with("<svg"));
+    }
+}

@@ -1,0 +1,471 @@
+//! The routing systems a comparison runs: our router with each policy and store (started as
+//! processes of this binary), the oracle, and the peer routers from PyPI.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tokio::process::{Child, Command};
+
+use crate::oracle::Oracle;
+
+/// A system's name in `--systems` and in the results.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum System {
+    RoundRobin,
+    LeastLoaded,
+    Prefix,
+    PrefixLoad,
+    PrefixLoadSqlite,
+    PrefixLoadPostgres,
+    PrefixLoadIndex,
+    PrefixLoadReplicas,
+    Oracle,
+    SglangRouter,
+    Smg,
+    VllmRouter,
+}
+
+pub const ALL: [System; 12] = [
+    System::RoundRobin,
+    System::LeastLoaded,
+    System::Prefix,
+    System::PrefixLoad,
+    System::PrefixLoadSqlite,
+    System::PrefixLoadPostgres,
+    System::PrefixLoadIndex,
+    System::PrefixLoadReplicas,
+    System::Oracle,
+    System::SglangRouter,
+    System::Smg,
+    System::VllmRouter,
+];
+
+impl System {
+    pub fn name(self) -> &'static str {
+        match self {
+            System::RoundRobin => "round_robin",
+            System::LeastLoaded => "least_loaded",
+            System::Prefix => "prefix",
+            System::PrefixLoad => "prefix_load",
+            System::PrefixLoadSqlite => "prefix_load+sqlite",
+            System::PrefixLoadPostgres => "prefix_load+postgres",
+            System::PrefixLoadIndex => "prefix_load+index",
+            System::PrefixLoadReplicas => "prefix_load+replicas",
+            System::Oracle => "oracle",
+            System::SglangRouter => "sglang-router",
+            System::Smg => "smg",
+            System::VllmRouter => "vllm-router",
+        }
+    }
+
+    pub fn parse(name: &str) -> anyhow::Result<Self> {
+        ALL.iter()
+            .copied()
+            .find(|s| s.name() == name.trim())
+            .ok_or_else(|| {
+                let names: Vec<_> = ALL.iter().map(|s| s.name()).collect();
+                anyhow::anyhow!("unknown system {name:?}; systems are {}", names.join(", "))
+            })
+    }
+
+    /// True for the PyPI routers.
+    pub fn is_peer(self) -> bool {
+        matches!(
+            self,
+            System::SglangRouter | System::Smg | System::VllmRouter
+        )
+    }
+}
+
+/// What launching needs.
+pub struct LaunchContext {
+    /// The `prefix-router` binary.
+    pub router_exe: PathBuf,
+    pub sims: Vec<String>,
+    pub postgres_url: Option<String>,
+    pub replicas: usize,
+    pub peers_venv: PathBuf,
+    /// Logs of the started processes go here.
+    pub work_dir: PathBuf,
+    /// Load-guard settings shared by prefix_load and the oracle.
+    pub cache_threshold: f64,
+    pub balance_abs: u64,
+    pub balance_rel: f64,
+}
+
+/// A running system.
+pub struct Launched {
+    /// Where its clients send requests (several for router replicas).
+    pub urls: Vec<String>,
+    pub oracle: Option<Arc<Oracle>>,
+    /// Processes whose CPU time counts as the router's.
+    pub router_pids: Vec<u32>,
+    children: Vec<Child>,
+}
+
+impl Launched {
+    pub async fn stop(mut self) {
+        for child in &mut self.children {
+            let _ = child.start_kill();
+        }
+        for child in &mut self.children {
+            let _ = child.wait().await;
+        }
+    }
+}
+
+/// Why a system did not run.
+pub struct Skipped(pub String);
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn spawn(exe: &Path, args: &[String], log: &Path) -> Result<Child, Skipped> {
+    let log_file = std::fs::File::create(log)
+        .map_err(|e| Skipped(format!("cannot write {}: {e}", log.display())))?;
+    let err_file = log_file.try_clone().map_err(|e| Skipped(e.to_string()))?;
+    Command::new(exe)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(log_file)
+        .stderr(err_file)
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| Skipped(format!("cannot start {}: {e}", exe.display())))
+}
+
+async fn wait_until(deadline: Duration, mut ready: impl AsyncFnMut() -> bool) -> bool {
+    let until = Instant::now() + deadline;
+    while Instant::now() < until {
+        if ready().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
+impl LaunchContext {
+    fn router_args(&self, port: u16, policy: &str, extra: &[String]) -> Vec<String> {
+        let mut args = vec![
+            "serve".into(),
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--policy".into(),
+            policy.into(),
+            "--log".into(),
+            "warn".into(),
+            "--cache-threshold".into(),
+            self.cache_threshold.to_string(),
+            "--balance-abs".into(),
+            self.balance_abs.to_string(),
+            "--balance-rel".into(),
+            self.balance_rel.to_string(),
+        ];
+        for sim in &self.sims {
+            args.push("--backend".into());
+            args.push(sim.clone());
+        }
+        args.extend(extra.iter().cloned());
+        args
+    }
+
+    /// Starts one of our routers and waits until it sees every sim.
+    async fn router(
+        &self,
+        client: &reqwest::Client,
+        name: &str,
+        policy: &str,
+        extra: &[String],
+    ) -> Result<(String, Child), Skipped> {
+        let port = free_port().map_err(|e| Skipped(e.to_string()))?;
+        let log = self
+            .work_dir
+            .join(format!("{}-{port}.log", name.replace('+', "_")));
+        let child = spawn(
+            &self.router_exe,
+            &self.router_args(port, policy, extra),
+            &log,
+        )?;
+        let url = format!("http://127.0.0.1:{port}");
+        let n = self.sims.len() as u64;
+        let ready = wait_until(Duration::from_secs(30), async || {
+            let Ok(resp) = client.get(format!("{url}/health")).send().await else {
+                return false;
+            };
+            let Ok(v) = resp.json::<serde_json::Value>().await else {
+                return false;
+            };
+            v["healthy_backends"].as_u64() == Some(n)
+        })
+        .await;
+        if !ready {
+            return Err(Skipped(format!(
+                "the router did not become ready (see {})",
+                log.display()
+            )));
+        }
+        Ok((url, child))
+    }
+
+    /// Starts a `prefix-router index` and returns its URL.
+    async fn index(&self, client: &reqwest::Client) -> Result<(String, Child), Skipped> {
+        let port = free_port().map_err(|e| Skipped(e.to_string()))?;
+        let log = self.work_dir.join(format!("index-{port}.log"));
+        let args: Vec<String> = [
+            "index",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--log",
+            "warn",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let child = spawn(&self.router_exe, &args, &log)?;
+        let url = format!("http://127.0.0.1:{port}");
+        let ready = wait_until(Duration::from_secs(30), async || {
+            client
+                .get(format!("{url}/health"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success())
+        })
+        .await;
+        if !ready {
+            return Err(Skipped(format!(
+                "the index did not start (see {})",
+                log.display()
+            )));
+        }
+        Ok((url, child))
+    }
+
+    /// The peer's executable, installing the peers first if needed.
+    async fn peer_bin(&self, name: &str) -> Result<PathBuf, Skipped> {
+        let bin = self.peers_venv.join("bin").join(name);
+        if bin.exists() {
+            return Ok(bin);
+        }
+        let script = Path::new("scripts/peers-venv.sh");
+        if script.exists() {
+            let out = Command::new("bash")
+                .arg(script)
+                .arg(&self.peers_venv)
+                .output()
+                .await
+                .map_err(|e| Skipped(format!("cannot run {}: {e}", script.display())))?;
+            if !out.status.success() {
+                return Err(Skipped(format!(
+                    "installing the peers from PyPI failed: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                        .lines()
+                        .last()
+                        .unwrap_or("")
+                )));
+            }
+        }
+        if bin.exists() {
+            Ok(bin)
+        } else {
+            Err(Skipped(format!(
+                "{name} is not installed in {} (run scripts/peers-venv.sh)",
+                self.peers_venv.display()
+            )))
+        }
+    }
+
+    async fn peer(
+        &self,
+        client: &reqwest::Client,
+        system: System,
+    ) -> Result<(String, Child), Skipped> {
+        let name = system.name();
+        let bin = self.peer_bin(name).await?;
+        let port = free_port().map_err(|e| Skipped(e.to_string()))?;
+        let metrics_port = free_port().map_err(|e| Skipped(e.to_string()))?;
+        let mut args: Vec<String> = Vec::new();
+        if system != System::VllmRouter {
+            args.push("launch".into());
+        }
+        args.extend([
+            "--host".into(),
+            "127.0.0.1".into(),
+            "--port".into(),
+            port.to_string(),
+            "--worker-urls".into(),
+        ]);
+        args.extend(self.sims.iter().cloned());
+        args.extend([
+            "--policy".into(),
+            "cache_aware".into(),
+            "--prometheus-port".into(),
+            metrics_port.to_string(),
+        ]);
+        let log = self.work_dir.join(format!("{name}.log"));
+        let child = spawn(&bin, &args, &log)?;
+        let url = format!("http://127.0.0.1:{port}");
+        let probe = json!({"model": "sim-model", "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1});
+        let ready = wait_until(Duration::from_secs(90), async || {
+            client
+                .post(format!("{url}/v1/chat/completions"))
+                .json(&probe)
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success())
+        })
+        .await;
+        if !ready {
+            return Err(Skipped(format!(
+                "{name} did not route to the sims (see {})",
+                log.display()
+            )));
+        }
+        Ok((url, child))
+    }
+
+    /// Starts `system`.
+    pub async fn launch(
+        &self,
+        client: &reqwest::Client,
+        system: System,
+    ) -> Result<Launched, Skipped> {
+        let mut children = Vec::new();
+        let mut urls = Vec::new();
+        let mut router_pids = Vec::new();
+        let mut oracle = None;
+        match system {
+            System::RoundRobin | System::LeastLoaded | System::Prefix | System::PrefixLoad => {
+                let policy = system.name();
+                let (url, child) = self.router(client, policy, policy, &[]).await?;
+                router_pids.extend(child.id());
+                urls.push(url);
+                children.push(child);
+            }
+            System::PrefixLoadSqlite => {
+                return Err(Skipped("the SQLite store is not built yet".into()));
+            }
+            System::PrefixLoadPostgres => {
+                return Err(Skipped(match &self.postgres_url {
+                    None => "no --postgres-url given".into(),
+                    Some(_) => "the PostgreSQL store is not built yet".into(),
+                }));
+            }
+            System::PrefixLoadIndex | System::PrefixLoadReplicas => {
+                let (index_url, index) = self.index(client).await?;
+                router_pids.extend(index.id());
+                children.push(index);
+                let replicas = if system == System::PrefixLoadIndex {
+                    1
+                } else {
+                    self.replicas.max(1)
+                };
+                for _ in 0..replicas {
+                    let extra = ["--index-url".to_owned(), index_url.clone()];
+                    let (url, child) = self
+                        .router(client, system.name(), "prefix_load", &extra)
+                        .await?;
+                    router_pids.extend(child.id());
+                    urls.push(url);
+                    children.push(child);
+                }
+            }
+            System::Oracle => {
+                oracle = Some(Oracle::new(
+                    self.sims.clone(),
+                    self.cache_threshold,
+                    self.balance_abs,
+                    self.balance_rel,
+                ));
+            }
+            System::SglangRouter | System::Smg | System::VllmRouter => {
+                let (url, child) = self.peer(client, system).await?;
+                router_pids.extend(child.id());
+                urls.push(url);
+                children.push(child);
+            }
+        }
+        Ok(Launched {
+            urls,
+            oracle,
+            router_pids,
+            children,
+        })
+    }
+}
+
+/// CPU seconds used so far by `pids` and all their descendants (Linux `/proc`).
+pub fn cpu_seconds(pids: &[u32]) -> f64 {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0.0;
+    };
+    let ticks_per_sec = 100.0; // USER_HZ on Linux
+    let mut procs: Vec<(u32, u32, f64)> = Vec::new();
+    for e in entries.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // Fields after the command (which may contain spaces) start after the last ')'.
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+            continue;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let (Some(ppid), Some(utime), Some(stime)) =
+            (fields.get(1), fields.get(11), fields.get(12))
+        else {
+            continue;
+        };
+        let cpu = (utime.parse::<f64>().unwrap_or(0.0) + stime.parse::<f64>().unwrap_or(0.0))
+            / ticks_per_sec;
+        procs.push((pid, ppid.parse().unwrap_or(0), cpu));
+    }
+    let mut tree: Vec<u32> = pids.to_vec();
+    let mut i = 0;
+    while i < tree.len() {
+        let parent = tree[i];
+        for &(pid, ppid, _) in &procs {
+            if ppid == parent && !tree.contains(&pid) {
+                tree.push(pid);
+            }
+        }
+        i += 1;
+    }
+    procs
+        .iter()
+        .filter(|(pid, _, _)| tree.contains(pid))
+        .map(|(_, _, cpu)| cpu)
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for s in ALL {
+            assert_eq!(System::parse(s.name()).unwrap(), s);
+        }
+        assert!(System::parse("nope").is_err());
+    }
+
+    #[test]
+    fn cpu_time_of_this_process_is_counted() {
+        let spin = Instant::now();
+        let mut x = 0u64;
+        while spin.elapsed() < Duration::from_millis(300) {
+            x = x.wrapping_add(std::hint::black_box(1));
+        }
+        assert!(x > 0);
+        assert!(cpu_seconds(&[std::process::id()]) > 0.1);
+    }
+}

@@ -1,0 +1,450 @@
+//! Workloads: seeded, deterministic request streams. Lengths are in the simulator's tokens
+//! (4 bytes of text each).
+
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// Bytes of text per simulator token.
+pub const BYTES_PER_TOKEN: usize = 4;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[clap(rename_all = "kebab-case")]
+#[serde(rename_all = "kebab-case")]
+pub enum WorkloadKind {
+    /// SGLang's generated-shared-prefix: groups of questions under one long system prompt.
+    SharedPrefix,
+    /// production-stack's multi-round QA: conversations that grow by the answers they get.
+    MultiTurn,
+    /// vLLM's prefix-repetition: a few prefixes, each followed by random suffixes.
+    PrefixRepetition,
+    /// Nothing shared at all: the control where prefix routing must not lose.
+    Random,
+    /// Replays a JSONL trace (`--trace FILE`).
+    Trace,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[clap(rename_all = "lowercase")]
+#[serde(rename_all = "lowercase")]
+pub enum Api {
+    Chat,
+    Completions,
+}
+
+impl Api {
+    pub fn path(self) -> &'static str {
+        match self {
+            Api::Chat => "/v1/chat/completions",
+            Api::Completions => "/v1/completions",
+        }
+    }
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct WorkloadArgs {
+    /// Which workload.
+    #[arg(long, value_enum, default_value = "shared-prefix")]
+    pub workload: WorkloadKind,
+    /// The trace to replay (`--workload trace`).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Write the requests as sent (times and bodies) to this JSONL trace.
+    #[arg(long)]
+    pub write_trace: Option<PathBuf>,
+    /// chat or completions.
+    #[arg(long, value_enum, default_value = "chat")]
+    pub api: Api,
+    /// Ask for whole answers instead of streams (TTFT is then the whole latency).
+    #[arg(long)]
+    pub no_stream: bool,
+    /// Model name in the requests.
+    #[arg(long, default_value = "sim-model")]
+    pub model: String,
+    /// Seed of the texts and of the arrival times.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// shared-prefix: groups.
+    #[arg(long, default_value_t = 64)]
+    pub groups: usize,
+    /// shared-prefix: prompts per group.
+    #[arg(long, default_value_t = 16)]
+    pub prompts_per_group: usize,
+    /// shared-prefix and multi-turn: system prompt tokens.
+    #[arg(long, default_value_t = 2048)]
+    pub system_len: usize,
+    /// shared-prefix and multi-turn: question tokens.
+    #[arg(long, default_value_t = 128)]
+    pub question_len: usize,
+    /// Output tokens (shared-prefix, prefix-repetition, random).
+    #[arg(long, default_value_t = 256)]
+    pub output_len: usize,
+    /// multi-turn: users (conversations).
+    #[arg(long, default_value_t = 32)]
+    pub users: usize,
+    /// multi-turn: rounds per user.
+    #[arg(long, default_value_t = 8)]
+    pub rounds: usize,
+    /// multi-turn: tokens of each user's own history before the first round.
+    #[arg(long, default_value_t = 1024)]
+    pub history_len: usize,
+    /// multi-turn: answer tokens per round.
+    #[arg(long, default_value_t = 128)]
+    pub answer_len: usize,
+    /// prefix-repetition: prefix tokens.
+    #[arg(long, default_value_t = 1024)]
+    pub prefix_len: usize,
+    /// prefix-repetition: suffix tokens.
+    #[arg(long, default_value_t = 256)]
+    pub suffix_len: usize,
+    /// prefix-repetition: distinct prefixes.
+    #[arg(long, default_value_t = 16)]
+    pub num_prefixes: usize,
+    /// random: prompt tokens.
+    #[arg(long, default_value_t = 1024)]
+    pub input_len: usize,
+}
+
+/// One request of a workload.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TraceItem {
+    /// Seconds from the start (traces); generated workloads get Poisson times.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub t: Option<f64>,
+    pub endpoint: Api,
+    pub body: Value,
+}
+
+/// A conversation of the multi-turn workload: its later turns depend on the answers.
+#[derive(Clone, Debug)]
+pub struct Conversation {
+    pub messages: Vec<Value>,
+    pub questions: Vec<String>,
+    pub answer_len: usize,
+}
+
+/// What the driver sends.
+#[derive(Clone, Debug)]
+pub enum Job {
+    Single(TraceItem),
+    Conversation(Conversation),
+}
+
+impl Job {
+    /// Requests this job sends.
+    pub fn requests(&self) -> usize {
+        match self {
+            Job::Single(_) => 1,
+            Job::Conversation(c) => c.questions.len(),
+        }
+    }
+}
+
+/// Deterministic text: `tokens` simulator tokens of lowercase words, different for every seed.
+pub fn text(seed: u64, tokens: usize) -> String {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+    let len = tokens * BYTES_PER_TOKEN;
+    let mut out = String::with_capacity(len);
+    while out.len() < len {
+        state = splitmix(state);
+        let word_len = 2 + (state % 8) as usize;
+        for i in 0..word_len {
+            out.push((b'a' + ((state >> (8 + i * 5)) % 26) as u8) as char);
+        }
+        out.push(' ');
+    }
+    out.truncate(len);
+    out
+}
+
+pub fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A body for `api` with a system prompt and a user message.
+pub fn body(args: &WorkloadArgs, system: &str, user: &str, max_tokens: usize) -> Value {
+    let stream = !args.no_stream;
+    let mut body = match args.api {
+        Api::Chat => json!({
+            "model": args.model,
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": user},
+            ],
+        }),
+        Api::Completions => json!({"model": args.model, "prompt": format!("{system}\n\n{user}")}),
+    };
+    let fields = body.as_object_mut().expect("an object");
+    fields.insert("max_tokens".into(), json!(max_tokens));
+    fields.insert("ignore_eos".into(), json!(true));
+    fields.insert("temperature".into(), json!(0.0));
+    fields.insert("stream".into(), json!(stream));
+    if stream {
+        fields.insert("stream_options".into(), json!({"include_usage": true}));
+    }
+    body
+}
+
+/// Shuffles deterministically.
+fn shuffle<T>(items: &mut [T], seed: u64) {
+    let mut state = seed;
+    for i in (1..items.len()).rev() {
+        state = splitmix(state);
+        items.swap(i, (state % (i as u64 + 1)) as usize);
+    }
+}
+
+/// The workload's jobs, in arrival order.
+pub fn jobs(args: &WorkloadArgs) -> anyhow::Result<Vec<Job>> {
+    let seed = args.seed;
+    let single = |body: Value| {
+        Job::Single(TraceItem {
+            t: None,
+            endpoint: args.api,
+            body,
+        })
+    };
+    Ok(match args.workload {
+        WorkloadKind::SharedPrefix => {
+            let mut jobs = Vec::with_capacity(args.groups * args.prompts_per_group);
+            for g in 0..args.groups as u64 {
+                let system = text(seed ^ (g << 20), args.system_len);
+                for p in 0..args.prompts_per_group as u64 {
+                    let question = text(seed ^ (g << 20) ^ (p + 1) << 40, args.question_len);
+                    jobs.push(single(body(args, &system, &question, args.output_len)));
+                }
+            }
+            shuffle(&mut jobs, seed);
+            jobs
+        }
+        WorkloadKind::PrefixRepetition => {
+            let prefixes: Vec<String> = (0..args.num_prefixes as u64)
+                .map(|i| text(seed ^ (i << 24), args.prefix_len))
+                .collect();
+            let n = args.num_prefixes * 16;
+            (0..n as u64)
+                .map(|i| {
+                    let prefix = &prefixes[(splitmix(seed ^ i) % prefixes.len() as u64) as usize];
+                    let suffix = text(seed ^ (i + 1) << 44, args.suffix_len);
+                    single(body(args, prefix, &suffix, args.output_len))
+                })
+                .collect()
+        }
+        WorkloadKind::Random => (0..1024u64)
+            .map(|i| {
+                let prompt = text(seed ^ (i + 1) << 32, args.input_len);
+                single(body(args, "", &prompt, args.output_len))
+            })
+            .collect(),
+        WorkloadKind::MultiTurn => {
+            let system = text(seed ^ 0xABCD, args.system_len);
+            (0..args.users as u64)
+                .map(|u| {
+                    let history = text(seed ^ (u + 1) << 28, args.history_len);
+                    Job::Conversation(Conversation {
+                        messages: vec![
+                            json!({"role": "system", "content": system}),
+                            json!({"role": "user", "content": history}),
+                            json!({"role": "assistant", "content": "Understood."}),
+                        ],
+                        questions: (0..args.rounds as u64)
+                            .map(|r| text(seed ^ (u + 1) << 28 ^ (r + 1) << 48, args.question_len))
+                            .collect(),
+                        answer_len: args.answer_len,
+                    })
+                })
+                .collect()
+        }
+        WorkloadKind::Trace => {
+            let path = args
+                .trace
+                .as_ref()
+                .ok_or_else(|| anyhow::anyhow!("--workload trace needs --trace FILE"))?;
+            read_trace(path)?.into_iter().map(Job::Single).collect()
+        }
+    })
+}
+
+/// The body of turn `round` of a conversation (its messages so far plus the next question).
+pub fn turn_body(args: &WorkloadArgs, conv: &Conversation, round: usize) -> Value {
+    let stream = !args.no_stream;
+    let mut messages = conv.messages.clone();
+    messages.push(json!({"role": "user", "content": conv.questions[round]}));
+    let mut body = match args.api {
+        Api::Chat => json!({"model": args.model, "messages": messages}),
+        Api::Completions => {
+            let prompt: String = messages
+                .iter()
+                .map(|m| {
+                    format!(
+                        "{}: {}\n",
+                        m["role"].as_str().unwrap_or(""),
+                        m["content"].as_str().unwrap_or("")
+                    )
+                })
+                .collect();
+            json!({"model": args.model, "prompt": prompt})
+        }
+    };
+    let fields = body.as_object_mut().expect("an object");
+    fields.insert("max_tokens".into(), json!(conv.answer_len));
+    fields.insert("ignore_eos".into(), json!(true));
+    fields.insert("stream".into(), json!(stream));
+    if stream {
+        fields.insert("stream_options".into(), json!({"include_usage": true}));
+    }
+    body
+}
+
+pub fn read_trace(path: &Path) -> anyhow::Result<Vec<TraceItem>> {
+    let file = std::fs::File::open(path)
+        .map_err(|e| anyhow::anyhow!("cannot open trace {}: {e}", path.display()))?;
+    std::io::BufReader::new(file)
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| l.as_ref().map_or(true, |l| !l.trim().is_empty()))
+        .map(|(i, line)| {
+            let line = line?;
+            serde_json::from_str(&line)
+                .map_err(|e| anyhow::anyhow!("{} line {}: {e}", path.display(), i + 1))
+        })
+        .collect()
+}
+
+/// Writes trace items as JSONL.
+pub fn write_trace(path: &Path, items: &[TraceItem]) -> anyhow::Result<()> {
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    for item in items {
+        serde_json::to_writer(&mut out, item)?;
+        out.write_all(b"\n")?;
+    }
+    out.flush()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct W {
+        #[command(flatten)]
+        w: WorkloadArgs,
+    }
+
+    fn args(extra: &[&str]) -> WorkloadArgs {
+        let mut argv = vec!["w"];
+        argv.extend_from_slice(extra);
+        W::parse_from(argv).w
+    }
+
+    #[test]
+    fn text_has_the_asked_length_and_depends_on_the_seed() {
+        assert_eq!(text(1, 100).len(), 400);
+        assert_eq!(text(1, 100), text(1, 100));
+        assert_ne!(text(1, 100), text(2, 100));
+    }
+
+    #[test]
+    fn shared_prefix_groups_share_their_system_prompt() {
+        let a = args(&[
+            "--groups",
+            "3",
+            "--prompts-per-group",
+            "4",
+            "--system-len",
+            "50",
+            "--question-len",
+            "5",
+        ]);
+        let jobs = jobs(&a).unwrap();
+        assert_eq!(jobs.len(), 12);
+        let systems: std::collections::HashSet<String> = jobs
+            .iter()
+            .map(|j| match j {
+                Job::Single(t) => t.body["messages"][0]["content"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned(),
+                Job::Conversation(_) => unreachable!(),
+            })
+            .collect();
+        assert_eq!(systems.len(), 3);
+        // Deterministic.
+        let again = jobs_bodies(&a);
+        assert_eq!(again, jobs_bodies(&a));
+    }
+
+    fn jobs_bodies(a: &WorkloadArgs) -> Vec<String> {
+        jobs(a)
+            .unwrap()
+            .iter()
+            .map(|j| match j {
+                Job::Single(t) => t.body.to_string(),
+                Job::Conversation(c) => c.questions.join("|"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn traces_round_trip() {
+        let a = args(&[
+            "--workload",
+            "random",
+            "--api",
+            "completions",
+            "--input-len",
+            "8",
+        ]);
+        let items: Vec<TraceItem> = jobs(&a)
+            .unwrap()
+            .into_iter()
+            .take(3)
+            .map(|j| match j {
+                Job::Single(mut t) => {
+                    t.t = Some(0.5);
+                    t
+                }
+                Job::Conversation(_) => unreachable!(),
+            })
+            .collect();
+        let path = std::env::temp_dir().join(format!("trace-{}.jsonl", std::process::id()));
+        write_trace(&path, &items).unwrap();
+        let back = read_trace(&path).unwrap();
+        assert_eq!(back.len(), 3);
+        assert_eq!(back[0].body, items[0].body);
+        assert_eq!(back[0].endpoint, Api::Completions);
+        assert_eq!(back[0].t, Some(0.5));
+    }
+
+    #[test]
+    fn multi_turn_bodies_grow() {
+        let a = args(&[
+            "--workload",
+            "multi-turn",
+            "--users",
+            "2",
+            "--rounds",
+            "3",
+            "--system-len",
+            "10",
+            "--history-len",
+            "10",
+            "--question-len",
+            "5",
+        ]);
+        let jobs = jobs(&a).unwrap();
+        let Job::Conversation(c) = &jobs[0] else {
+            panic!()
+        };
+        let b0 = turn_body(&a, c, 0);
+        assert_eq!(b0["messages"].as_array().unwrap().len(), 4);
+        assert_eq!(jobs.iter().map(Job::requests).sum::<usize>(), 6);
+    }
+}
