@@ -113,7 +113,7 @@ pub struct CompareArgs {
     /// Load-guard settings of prefix_load and the oracle.
     #[arg(long, default_value_t = 0.5)]
     pub cache_threshold: f64,
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 16)]
     pub balance_abs: u64,
     #[arg(long, default_value_t = 1.5)]
     pub balance_rel: f64,

@@ -37,9 +37,20 @@ pub async fn shutdown_signal() {
     }
 }
 
+/// Accepted connections send small writes (an SSE event, a response head) at once: without
+/// TCP_NODELAY, Nagle's algorithm holds them until the peer's delayed ACK, up to 40 ms.
+fn no_delay(listener: TcpListener) -> impl axum::serve::Listener<Addr = SocketAddr> {
+    use axum::serve::ListenerExt;
+    listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "could not set TCP_NODELAY");
+        }
+    })
+}
+
 /// Serves `app` on `listener` until a signal arrives.
 pub async fn serve_until_signal(listener: TcpListener, app: Router) -> anyhow::Result<()> {
-    axum::serve(listener, app.into_make_service())
+    axum::serve(no_delay(listener), app.into_make_service())
         .with_graceful_shutdown(shutdown_signal())
         .await
         .context("server failed")
@@ -58,7 +69,7 @@ impl Running {
         let addr = listener.local_addr()?;
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
-            axum::serve(listener, app.into_make_service())
+            axum::serve(no_delay(listener), app.into_make_service())
                 .with_graceful_shutdown(async {
                     let _ = stopped.await;
                 })

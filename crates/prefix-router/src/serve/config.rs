@@ -45,7 +45,7 @@ pub struct ServeArgs {
     pub cache_threshold: f64,
     /// prefix_load: the load guard trips when the matched backend has more than this many
     /// requests in flight above the least loaded one...
-    #[arg(long, env = "PREFIX_ROUTER_BALANCE_ABS", default_value_t = 8)]
+    #[arg(long, env = "PREFIX_ROUTER_BALANCE_ABS", default_value_t = 16)]
     pub balance_abs: u64,
     /// ... and more than this times its in-flight count.
     #[arg(long, env = "PREFIX_ROUTER_BALANCE_REL", default_value_t = 1.5)]
