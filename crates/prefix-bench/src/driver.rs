@@ -56,6 +56,24 @@ impl Target {
             next: AtomicUsize::new(0),
         }
     }
+
+    /// The base URL for the next request (the oracle's lease counts it in flight until
+    /// dropped).
+    pub async fn pick(
+        &self,
+        client: &reqwest::Client,
+        body: &Value,
+    ) -> (String, Option<crate::oracle::Lease>) {
+        match self {
+            Target::Urls { urls, next } => {
+                (urls[next.fetch_add(1, Relaxed) % urls.len()].clone(), None)
+            }
+            Target::Oracle(oracle) => {
+                let (url, lease) = oracle.pick(client, body).await;
+                (url, Some(lease))
+            }
+        }
+    }
 }
 
 /// What a run produced.
@@ -163,7 +181,7 @@ impl Shared {
 }
 
 /// Sends `body` to `url` and reads the answer (SSE or JSON) to its end.
-async fn exchange(
+pub async fn exchange(
     client: &reqwest::Client,
     url: &str,
     body: &Value,

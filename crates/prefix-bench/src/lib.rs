@@ -173,33 +173,90 @@ fn probe_body(i: u64) -> serde_json::Value {
         {"role": "user", "content": workload::text(0xFEED ^ i, 64)}]})
 }
 
-/// Latencies (ms) of `n` small requests at `qps` against `target`.
-async fn latencies(target: Target, n: usize, qps: f64) -> Vec<f64> {
-    let jobs = (0..n as u64)
-        .map(|i| {
-            Job::Single(workload::TraceItem {
-                t: None,
-                endpoint: workload::Api::Chat,
-                body: probe_body(i),
+/// Latencies (ms) of `n` small requests at `qps` in one Poisson stream, alternating between
+/// `direct` and `routed` so that both see the same background load.
+async fn paired_latencies(
+    direct: Target,
+    routed: Target,
+    n: usize,
+    qps: f64,
+) -> (Vec<f64>, Vec<f64>) {
+    let client = driver::client();
+    let targets = std::sync::Arc::new([direct, routed]);
+    let started = tokio::time::Instant::now();
+    // Each side at `qps`.
+    let tasks: Vec<_> = driver::poisson_times(2 * n, 2.0 * qps, 0xC0FFEE)
+        .into_iter()
+        .enumerate()
+        .map(|(i, at)| {
+            let (client, targets) = (client.clone(), targets.clone());
+            tokio::spawn(async move {
+                tokio::time::sleep_until(started + Duration::from_secs_f64(at)).await;
+                let body = probe_body(i as u64);
+                let (base, lease) = targets[i % 2].pick(&client, &body).await;
+                let start = std::time::Instant::now();
+                let result = driver::exchange(
+                    &client,
+                    &format!("{base}/v1/chat/completions"),
+                    &body,
+                    start,
+                )
+                .await;
+                drop(lease);
+                (
+                    i % 2,
+                    result.ok().filter(|(s, _)| s.ok).map(|(s, _)| s.e2e * 1e3),
+                )
             })
         })
         .collect();
-    let w = quiet_workload();
-    let driven = driver::drive(
-        target,
-        jobs,
-        &w,
-        Arrivals::Poisson(qps),
-        None,
-        ProgressBar::hidden(),
-    )
-    .await;
-    driven
-        .samples
+    let mut out = (Vec::new(), Vec::new());
+    for task in tasks {
+        if let Ok((side, Some(ms))) = task.await {
+            if side == 0 {
+                out.0.push(ms)
+            } else {
+                out.1.push(ms)
+            }
+        }
+    }
+    out
+}
+
+/// Percentiles (p50, p99, in ms) of `prefix_router_added_latency_seconds` between two scrapes
+/// of a router's `/metrics`, at the resolution of its buckets (upper bounds).
+fn added_latency(before: &str, after: &str) -> Option<(f64, f64)> {
+    let buckets = |text: &str| -> Vec<(f64, f64)> {
+        text.lines()
+            .filter(|l| l.starts_with("prefix_router_added_latency_seconds_bucket{"))
+            .filter_map(|l| {
+                let le = l.split("le=\"").nth(1)?.split('"').next()?;
+                let le = if le == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    le.parse().ok()?
+                };
+                Some((le, l.rsplit(' ').next()?.parse().ok()?))
+            })
+            .collect()
+    };
+    let (b, a) = (buckets(before), buckets(after));
+    let deltas: Vec<(f64, f64)> = a
         .iter()
-        .filter(|s| s.ok)
-        .map(|s| s.e2e * 1e3)
-        .collect()
+        .zip(b.iter().chain(std::iter::repeat(&(0.0, 0.0))))
+        .map(|((le, x), (_, y))| (*le, x - y))
+        .collect();
+    let total = deltas.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let q = |p: f64| {
+        deltas
+            .iter()
+            .find(|(_, c)| *c >= p * total)
+            .map_or(f64::INFINITY, |(le, _)| le * 1e3)
+    };
+    Some((q(0.5), q(0.99)))
 }
 
 fn quiet_workload() -> WorkloadArgs {
@@ -247,17 +304,49 @@ async fn measure(
     // Router overhead and maximum throughput, against sims that do not wait.
     fleet.set_time_scale(client, 0.0).await?;
     if args.overhead_requests > 0 {
-        let direct = latencies(
+        let scrape = |url: String| {
+            let client = client.clone();
+            async move {
+                client
+                    .get(format!("{url}/metrics"))
+                    .send()
+                    .await
+                    .ok()?
+                    .text()
+                    .await
+                    .ok()
+            }
+        };
+        let ours = !system.is_peer() && system != System::Oracle;
+        let before = if ours {
+            scrape(launched.urls[0].clone()).await
+        } else {
+            None
+        };
+        let (direct, routed) = paired_latencies(
             Target::urls(fleet.urls.clone()),
+            target(),
             args.overhead_requests,
             args.overhead_qps,
         )
         .await;
-        let routed = latencies(target(), args.overhead_requests, args.overhead_qps).await;
         requests += routed.len();
         let p = |v: &[f64], q| stats::percentile(v, q);
         figures.router_overhead_p50_ms = Some(p(&routed, 50.0) - p(&direct, 50.0));
         figures.router_overhead_p99_ms = Some(p(&routed, 99.0) - p(&direct, 99.0));
+        if let (Some(before), Some(after)) = (
+            before,
+            if ours {
+                scrape(launched.urls[0].clone()).await
+            } else {
+                None
+            },
+        ) {
+            if let Some((p50, p99)) = added_latency(&before, &after) {
+                figures.router_added_p50_ms = Some(p50);
+                figures.router_added_p99_ms = Some(p99);
+            }
+        }
     }
     if args.throughput_secs > 0.0 {
         // More than 64 clients can send in the time (about 20,000 requests/s at most here).

@@ -43,6 +43,10 @@ pub struct Figures {
     /// percentile.
     pub router_overhead_p50_ms: Option<f64>,
     pub router_overhead_p99_ms: Option<f64>,
+    /// Our routers only: their own histogram of the time from receiving a request to sending
+    /// it upstream, during the overhead phase (bucket upper bounds).
+    pub router_added_p50_ms: Option<f64>,
+    pub router_added_p99_ms: Option<f64>,
     /// Closed-loop requests/s through the system against sims that do not wait.
     pub max_rps: Option<f64>,
     /// CPU time of the router process(es) per request over the whole run.
@@ -98,7 +102,7 @@ pub fn markdown(results: &[SystemResult]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "| system | hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TTFT mean ms | e2e p50 ms | req/s | out tok/s | imbalance | errors | overhead p50 ms | overhead p99 ms | max req/s | CPU ms/req |"
+        "| system | hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TTFT mean ms | e2e p50 ms | req/s | out tok/s | imbalance | errors | overhead p50 ms | overhead p99 ms | added p50/p99 ms | max req/s | CPU ms/req |"
     );
     let _ = writeln!(
         out,
@@ -117,7 +121,7 @@ pub fn markdown(results: &[SystemResult]) -> String {
             Some(f) => {
                 let _ = writeln!(
                     out,
-                    "| {} | {:.3} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.2} | {} | {} | {} | {} | {} |",
+                    "| {} | {:.3} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.2} | {} | {} | {} | {} | {} | {} |",
                     r.name,
                     f.hit_rate,
                     f.ttft_p50_ms,
@@ -131,6 +135,10 @@ pub fn markdown(results: &[SystemResult]) -> String {
                     f.errors,
                     ms(f.router_overhead_p50_ms),
                     ms(f.router_overhead_p99_ms),
+                    match (f.router_added_p50_ms, f.router_added_p99_ms) {
+                        (Some(a), Some(b)) => format!("{a:.3}/{b:.3}"),
+                        _ => "–".into(),
+                    },
                     f.max_rps.map_or("–".into(), |v| format!("{v:.0}")),
                     f.cpu_ms_per_request.map_or("–".into(), |v| format!("{v:.3}")),
                 );

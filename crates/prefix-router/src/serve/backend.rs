@@ -16,7 +16,7 @@ pub struct BackendSpec {
     pub models: Option<Vec<String>>,
     /// Index capacity in chunks; `None` to derive it from its KV cache size.
     pub capacity: Option<u64>,
-    /// Relative share of new prefixes (reserved for weighted spreading; 1 by default).
+    /// Relative capacity: load is compared per unit of weight (1 by default).
     pub weight: u32,
     /// Bearer token sent to this backend.
     pub api_key: Option<String>,

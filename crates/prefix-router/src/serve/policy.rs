@@ -100,22 +100,47 @@ impl std::fmt::Debug for Backend {
 }
 
 /// Orders candidates by load: in-flight here, then the backend's own queue, then index entries
-/// (so new prefixes go where the index is emptiest), then a rotating position (so equal
-/// backends take turns).
+/// (so new prefixes go where the index is emptiest), each divided by the backend's weight, then
+/// a rotating position (so equal backends take turns).
 pub fn by_load(candidates: &mut [Arc<Backend>], rotation: u64) {
+    order(candidates, rotation, false)
+}
+
+/// Like [`by_load`], but first by requests still waiting for their first byte: the prefill
+/// queue, which is what a new request's time to first token waits behind (decoding requests
+/// barely delay it). The prefix policies place requests that have no useful match this way.
+pub fn by_prefill_load(candidates: &mut [Arc<Backend>], rotation: u64) {
+    order(candidates, rotation, true)
+}
+
+fn order(candidates: &mut [Arc<Backend>], rotation: u64, prefill_first: bool) {
     let n = candidates.len() as u64;
     if n < 2 {
         return;
     }
-    /// (in flight, backend queue, index entries, turn)
-    type LoadKey = (u64, u64, u64, u64);
+    /// (waiting for first byte, in flight, backend queue, index entries, turn)
+    type LoadKey = (u64, u64, u64, u64, u64);
     let mut keyed: Vec<(LoadKey, Arc<Backend>)> = candidates
         .iter()
         .enumerate()
         .map(|(i, b)| {
             let (inflight, queue) = b.load();
+            // A backend of weight 2 takes twice the requests of a backend of weight 1.
+            let weight = u64::from(b.spec.weight.max(1));
+            let prefill = if prefill_first {
+                b.waiting_first_byte.load(Relaxed) * 1024 / weight
+            } else {
+                0
+            };
             let turn = (i as u64 + n - rotation % n) % n;
-            ((inflight, queue, b.entries.load(Relaxed), turn), b.clone())
+            let key = (
+                prefill,
+                inflight * 1024 / weight,
+                queue * 1024 / weight,
+                b.entries.load(Relaxed) / weight,
+                turn,
+            );
+            (key, b.clone())
         })
         .collect();
     keyed.sort_unstable_by_key(|(k, _)| *k);
@@ -181,7 +206,7 @@ impl Balancer {
                 }
             }
             PolicyKind::Prefix | PolicyKind::PrefixLoad => {
-                by_load(&mut candidates, turn);
+                by_prefill_load(&mut candidates, turn);
                 if hashes.is_none_or(|h| h.is_empty()) {
                     return decision(candidates, Reason::BelowThreshold, Some(0.0));
                 };
@@ -354,6 +379,30 @@ mod tests {
         bs[3].entries.store(10, Relaxed);
         let d = pick(&b, &bs, vec![0, 0, 0, 0], 10).await;
         assert_eq!(d.order[0].url(), "http://b2:1");
+    }
+
+    #[test]
+    fn weights_scale_load() {
+        let heavy = Arc::new(
+            Backend::new(
+                BackendSpec {
+                    weight: 4,
+                    ..BackendSpec::new("http://big:1")
+                },
+                100,
+            )
+            .unwrap(),
+        );
+        let light = Arc::new(Backend::new(BackendSpec::new("http://small:1"), 100).unwrap());
+        heavy.inflight.store(3, Relaxed);
+        light.inflight.store(1, Relaxed);
+        let mut order = vec![light.clone(), heavy.clone()];
+        by_load(&mut order, 0);
+        assert_eq!(
+            order[0].url(),
+            "http://big:1",
+            "3 of weight 4 is less load than 1 of weight 1"
+        );
     }
 
     #[tokio::test]

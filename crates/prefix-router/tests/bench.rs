@@ -1,0 +1,150 @@
+//! `prefix-router bench`: a small comparison end to end (sims in-process, our router as
+//! processes of the real binary), and a trace written and replayed.
+
+use clap::Parser;
+use prefix_bench::{CompareArgs, RunArgs};
+use serde_json::Value;
+
+#[derive(Parser)]
+struct Compare {
+    #[command(flatten)]
+    args: CompareArgs,
+}
+
+#[derive(Parser)]
+struct Run {
+    #[command(flatten)]
+    args: RunArgs,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_comparison_ranks_prefix_routing_above_round_robin() {
+    let out = std::env::temp_dir().join(format!("prefix-bench-test-{}", std::process::id()));
+    let trace = out.join("sent.jsonl");
+    let out_s = out.to_string_lossy().into_owned();
+    let trace_s = trace.to_string_lossy().into_owned();
+    let args = Compare::parse_from([
+        "compare",
+        "--sim-servers",
+        "3",
+        "--sim-args=--kv-blocks 600 --time-scale 0.2",
+        "--groups",
+        "9",
+        "--prompts-per-group",
+        "6",
+        "--system-len",
+        "512",
+        "--question-len",
+        "32",
+        "--output-len",
+        "8",
+        "--qps",
+        "60",
+        "--systems",
+        "round_robin,prefix_load,oracle,smg",
+        "--peers-venv",
+        "/nonexistent",
+        "--overhead-requests",
+        "50",
+        "--overhead-qps",
+        "200",
+        "--throughput-secs",
+        "0.5",
+        "--out",
+        &out_s,
+        "--write-trace",
+        &trace_s,
+    ])
+    .args;
+    let results = prefix_bench::compare(args, env!("CARGO_BIN_EXE_prefix-router").into())
+        .await
+        .unwrap();
+    assert_eq!(results.len(), 4);
+    let json: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    let by_name = |name: &str| {
+        json.as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == name)
+            .unwrap()
+            .clone()
+    };
+    let (rr, pl, oracle, smg) = (
+        by_name("round_robin"),
+        by_name("prefix_load"),
+        by_name("oracle"),
+        by_name("smg"),
+    );
+    assert_eq!(smg["skipped"], true);
+    assert!(
+        smg["reason"].as_str().unwrap().contains("not installed"),
+        "{smg}"
+    );
+    for r in [&rr, &pl, &oracle] {
+        assert_eq!(r["errors"], 0, "{r}");
+        assert_eq!(r["requests"], 54, "{r}");
+        for key in [
+            "hit_rate",
+            "ttft_p50_ms",
+            "ttft_p99_ms",
+            "ttft_mean_ms",
+            "e2e_p50_ms",
+            "throughput_rps",
+            "output_tps",
+            "imbalance",
+            "router_overhead_p50_ms",
+            "max_rps",
+        ] {
+            assert!(r[key].is_number(), "{key} in {r}");
+        }
+        // The two hit rates (sims' metrics, answers' usage) agree.
+        let (a, b) = (
+            r["hit_rate"].as_f64().unwrap(),
+            r["hit_rate_usage"].as_f64().unwrap(),
+        );
+        assert!((a - b).abs() < 0.05, "{a} vs {b}");
+    }
+    assert!(
+        pl["hit_rate"].as_f64().unwrap() > rr["hit_rate"].as_f64().unwrap() + 0.1,
+        "{pl} vs {rr}"
+    );
+    assert!(pl["router_added_p50_ms"].is_number());
+    assert!(std::fs::read_to_string(out.join("chart.svg"))
+        .unwrap()
+        .contains("<svg"));
+    assert!(std::fs::read_to_string(out.join("results.md"))
+        .unwrap()
+        .contains("| prefix_load |"));
+
+    // The trace of what was sent replays against a sim.
+    let sim = vllm_sim::Fleet::start(
+        vllm_sim::SimConfig {
+            time_scale: 0.0,
+            ..vllm_sim::SimConfig::default()
+        },
+        1,
+        std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+    )
+    .await
+    .unwrap();
+    let url = sim.urls()[0].clone();
+    let run = Run::parse_from([
+        "run",
+        "--url",
+        &url,
+        "--sim-url",
+        &url,
+        "--workload",
+        "trace",
+        "--trace",
+        &trace_s,
+    ])
+    .args;
+    let figures = prefix_bench::run_one(run).await.unwrap();
+    assert_eq!((figures.requests, figures.errors), (54, 0));
+    // One server: every group's prompt is cached after its first request.
+    assert!(figures.hit_rate > 0.5, "{}", figures.hit_rate);
+    sim.shutdown().await;
+    let _ = std::fs::remove_dir_all(&out);
+}
