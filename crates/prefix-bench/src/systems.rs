@@ -349,25 +349,56 @@ impl LaunchContext {
                 children.push(child);
             }
             System::PrefixLoadSqlite => {
-                return Err(Skipped("the SQLite store is not built yet".into()));
+                let port_hint = free_port().map_err(|e| Skipped(e.to_string()))?;
+                let db = self.work_dir.join(format!("sqlite-{port_hint}.db"));
+                let extra = ["--store".to_owned(), format!("sqlite:{}", db.display())];
+                let (url, child) = self
+                    .router(client, system.name(), "prefix_load", &extra)
+                    .await?;
+                router_pids.extend(child.id());
+                urls.push(url);
+                children.push(child);
             }
             System::PrefixLoadPostgres => {
-                return Err(Skipped(match &self.postgres_url {
-                    None => "no --postgres-url given".into(),
-                    Some(_) => "the PostgreSQL store is not built yet".into(),
-                }));
+                let Some(pg) = &self.postgres_url else {
+                    return Err(Skipped("no --postgres-url given".into()));
+                };
+                empty_postgres(pg).await?;
+                let extra = ["--store".to_owned(), pg.clone()];
+                let (url, child) = self
+                    .router(client, system.name(), "prefix_load", &extra)
+                    .await?;
+                router_pids.extend(child.id());
+                urls.push(url);
+                children.push(child);
             }
-            System::PrefixLoadIndex | System::PrefixLoadReplicas => {
+            System::PrefixLoadIndex => {
                 let (index_url, index) = self.index(client).await?;
                 router_pids.extend(index.id());
                 children.push(index);
-                let replicas = if system == System::PrefixLoadIndex {
-                    1
-                } else {
-                    self.replicas.max(1)
+                let extra = ["--index-url".to_owned(), index_url];
+                let (url, child) = self
+                    .router(client, system.name(), "prefix_load", &extra)
+                    .await?;
+                router_pids.extend(child.id());
+                urls.push(url);
+                children.push(child);
+            }
+            System::PrefixLoadReplicas => {
+                // Shared state: PostgreSQL when given, else a remote index.
+                let extra = match &self.postgres_url {
+                    Some(pg) => {
+                        empty_postgres(pg).await?;
+                        vec!["--store".to_owned(), pg.clone()]
+                    }
+                    None => {
+                        let (index_url, index) = self.index(client).await?;
+                        router_pids.extend(index.id());
+                        children.push(index);
+                        vec!["--index-url".to_owned(), index_url]
+                    }
                 };
-                for _ in 0..replicas {
-                    let extra = ["--index-url".to_owned(), index_url.clone()];
+                for _ in 0..self.replicas.max(1) {
                     let (url, child) = self
                         .router(client, system.name(), "prefix_load", &extra)
                         .await?;
@@ -398,6 +429,25 @@ impl LaunchContext {
             children,
         })
     }
+}
+
+/// Empties the prefix tables of a PostgreSQL database, so a run starts from the same empty
+/// state as the sims it talks about.
+async fn empty_postgres(url: &str) -> Result<(), Skipped> {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .map_err(|e| Skipped(format!("cannot reach PostgreSQL at {url}: {e}")))?;
+    tokio::spawn(connection);
+    client
+        .batch_execute(
+            "DO $$ BEGIN
+               IF to_regclass('prefix_router_entries') IS NOT NULL THEN
+                 TRUNCATE prefix_router_entries, prefix_router_servers;
+               END IF;
+             END $$;",
+        )
+        .await
+        .map_err(|e| Skipped(format!("cannot empty the prefix tables: {e}")))
 }
 
 /// CPU seconds used so far by `pids` and all their descendants (Linux `/proc`).

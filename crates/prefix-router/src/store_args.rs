@@ -3,12 +3,15 @@
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use prefix_index::{MemoryStore, PrefixHasher, PrefixStore, StoreConfig, DEFAULT_CHUNK_SIZE};
+use prefix_index::{
+    MemoryStore, PostgresStore, PrefixHasher, PrefixStore, SqliteStore, StoreConfig,
+    DEFAULT_CHUNK_SIZE,
+};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct StoreArgs {
-    /// Where the index lives: `memory` (the only store so far; `sqlite:PATH` and
-    /// `postgres://...` come with the SQL stores).
+    /// Where the index lives: `memory`, `sqlite:PATH` (embedded, durable) or
+    /// `postgres://user@host/db` (shared by several processes).
     #[arg(long, env = "PREFIX_ROUTER_STORE", default_value = "memory")]
     pub store: String,
     /// Bytes per chunk of the request string.
@@ -20,6 +23,9 @@ pub struct StoreArgs {
     /// Seconds after its last use that an entry stops matching (off by default).
     #[arg(long, env = "PREFIX_ROUTER_TTL")]
     pub ttl: Option<f64>,
+    /// Connections to PostgreSQL (per process).
+    #[arg(long, env = "PREFIX_ROUTER_STORE_POOL", default_value_t = 16)]
+    pub pool_size: usize,
     /// Seed of the chunk hash. Keep it secret on a public endpoint, so that clients cannot
     /// craft colliding prefixes to steer traffic.
     #[arg(
@@ -50,14 +56,30 @@ impl StoreArgs {
         Ok(config)
     }
 
-    /// Opens the store named by `--store`.
-    pub fn open(&self) -> anyhow::Result<Arc<dyn PrefixStore>> {
+    /// Opens the store named by `--store` (a database that cannot be reached is an error).
+    pub async fn open(&self) -> anyhow::Result<Arc<dyn PrefixStore>> {
         let config = self.config()?;
-        match self.store.as_str() {
-            "memory" => Ok(Arc::new(
+        let url = self.store.as_str();
+        if url == "memory" {
+            return Ok(Arc::new(
                 MemoryStore::new(config).context("opening the memory store")?,
-            )),
-            other => bail!("unsupported --store {other:?}: this build supports `memory`"),
+            ));
         }
+        if let Some(path) = url.strip_prefix("sqlite:") {
+            let path = path.strip_prefix("//").unwrap_or(path);
+            anyhow::ensure!(!path.is_empty(), "--store sqlite:PATH needs a path");
+            return Ok(Arc::new(
+                SqliteStore::open(std::path::Path::new(path), config)
+                    .with_context(|| format!("opening the SQLite store {path}"))?,
+            ));
+        }
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            return Ok(Arc::new(
+                PostgresStore::open(url, config, self.pool_size)
+                    .await
+                    .context("opening the PostgreSQL store")?,
+            ));
+        }
+        bail!("unsupported --store {url:?}: use memory, sqlite:PATH or postgres://user@host/db")
     }
 }

@@ -24,6 +24,10 @@ impl LruEntry {
         self.hash
     }
 
+    pub fn depth(self) -> u32 {
+        self.depth
+    }
+
     /// Ascending order is the reverse of eviction order within one `last_used`: the entry to
     /// evict first (deepest, then lowest hash) sits at the end of its group.
     fn keep_order(self) -> (u32, u64) {
@@ -123,6 +127,13 @@ impl Lru {
         }
         self.len -= purged;
         purged
+    }
+
+    /// Every entry with its `last_used` (ms), oldest group first.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, LruEntry)> + '_ {
+        self.groups
+            .iter()
+            .flat_map(|(&t, entries)| entries.iter().map(move |&e| (t, e)))
     }
 
     /// Removes everything, appending the hashes.

@@ -249,6 +249,56 @@ impl MemoryStore {
         evicted
     }
 
+    /// Every server with its capacity and entries `(hash, depth, last_used)`: the whole state,
+    /// for a durable store's snapshot.
+    pub fn export(&self) -> Vec<(ServerId, u64, Vec<(u64, u32, Tick)>)> {
+        let registry = self.registry.load();
+        let mut out: Vec<_> = registry
+            .servers
+            .iter()
+            .map(|(&id, node)| {
+                let state = node.state.lock();
+                let entries = state
+                    .lru
+                    .iter()
+                    .map(|(t, e)| (e.hash(), e.depth(), Tick::from_millis(t)))
+                    .collect();
+                (id, state.lru.capacity, entries)
+            })
+            .collect();
+        out.sort_unstable_by_key(|(id, _, _)| *id);
+        out
+    }
+
+    /// Puts back a server exported by [`Self::export`] (into a store that does not hold it):
+    /// entries as they were, no eviction.
+    pub fn restore(
+        &self,
+        server: ServerId,
+        capacity: u64,
+        entries: &mut [(u64, u32, Tick)],
+    ) -> Result<(), StoreError> {
+        check_capacity(capacity)?;
+        let node = self.server_or_register(server)?;
+        let mut state = node.state.lock();
+        state.lru.capacity = capacity;
+        // Groups of one `last_used`, each in keep order (depth ascending, hash descending).
+        entries.sort_unstable_by_key(|&(h, d, t)| (t, d, std::cmp::Reverse(h)));
+        for group in entries.chunk_by(|a, b| a.2 == b.2) {
+            let tick = group[0].2;
+            let touched: Vec<LruEntry> =
+                group.iter().map(|&(h, d, _)| LruEntry::new(d, h)).collect();
+            for &(h, _, _) in group {
+                self.shards[shard_of(h)]
+                    .0
+                    .write()
+                    .upsert(h, node.slot, tick);
+            }
+            state.lru.touch(tick, &mut [], &touched);
+        }
+        Ok(())
+    }
+
     /// [`PrefixStore::notify`] without the future.
     pub fn notify_now(
         &self,

@@ -46,8 +46,8 @@ impl IndexArgs {
     }
 }
 
-fn state(args: &IndexArgs) -> anyhow::Result<IndexState> {
-    let store = args.store.open()?;
+async fn state(args: &IndexArgs) -> anyhow::Result<IndexState> {
+    let store = args.store.open().await?;
     let state = IndexState::new(store.clone(), args.store.hasher()?, args.max_body);
     if args.store.config()?.ttl_ms.is_some() && !args.purge_interval.is_zero() {
         spawn_purger(store, args.purge_interval, state.clock());
@@ -74,7 +74,7 @@ fn spawn_purger(store: Arc<dyn PrefixStore>, period: Duration, clock: Arc<Atomic
 
 /// Runs the string server until SIGINT or SIGTERM.
 pub async fn run(args: IndexArgs) -> anyhow::Result<()> {
-    let app = app(state(&args)?);
+    let app = app(state(&args).await?);
     let listener = server::bind(args.listen).await?;
     tracing::info!(
         listen = %listener.local_addr()?,
@@ -88,5 +88,5 @@ pub async fn run(args: IndexArgs) -> anyhow::Result<()> {
 
 /// Starts the string server in the background on an already bound listener.
 pub async fn spawn(args: IndexArgs, listener: TcpListener) -> anyhow::Result<Running> {
-    Running::spawn(listener, app(state(&args)?))
+    Running::spawn(listener, app(state(&args).await?))
 }

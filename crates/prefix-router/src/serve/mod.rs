@@ -228,7 +228,7 @@ pub async fn gateway(args: &ServeArgs) -> anyhow::Result<Arc<Gateway>> {
             false,
         ),
         None => {
-            let store = args.store.open()?;
+            let store = args.store.open().await?;
             let inline = store.kind() == "memory";
             (store, inline)
         }
