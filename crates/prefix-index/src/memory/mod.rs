@@ -148,6 +148,10 @@ impl Bisection<'_> {
     }
 }
 
+/// One server as [`MemoryStore::export`] gives it: id, capacity, entries
+/// `(hash, depth, last_used)`.
+pub type ExportedServer = (ServerId, u64, Vec<(u64, u32, Tick)>);
+
 /// The in-memory prefix store.
 pub struct MemoryStore {
     config: StoreConfig,
@@ -251,7 +255,7 @@ impl MemoryStore {
 
     /// Every server with its capacity and entries `(hash, depth, last_used)`: the whole state,
     /// for a durable store's snapshot.
-    pub fn export(&self) -> Vec<(ServerId, u64, Vec<(u64, u32, Tick)>)> {
+    pub fn export(&self) -> Vec<ExportedServer> {
         let registry = self.registry.load();
         let mut out: Vec<_> = registry
             .servers
