@@ -91,6 +91,27 @@ pub struct ServeArgs {
     #[arg(long, env = "PREFIX_ROUTER_MAX_BODY", default_value_t = 32 << 20)]
     pub max_body: usize,
 
+    /// Where backends come from: `static` (flags and config file) or `k8s` (pods, plus any
+    /// static ones).
+    #[arg(long, env = "PREFIX_ROUTER_DISCOVERY", default_value = "static", value_parser = ["static", "k8s"])]
+    pub discovery: String,
+    /// k8s: the namespace to watch (default: the pod's own, or KUBECONFIG's).
+    #[arg(long, alias = "k8s-namespace", env = "PREFIX_ROUTER_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// k8s: label selector of the vLLM pods, e.g. `app=vllm`.
+    #[arg(
+        long,
+        alias = "k8s-label-selector",
+        env = "PREFIX_ROUTER_LABEL_SELECTOR"
+    )]
+    pub label_selector: Option<String>,
+    /// k8s: the pods' port, unless a pod declares a container port named `http`.
+    #[arg(long, env = "PREFIX_ROUTER_K8S_PORT", default_value_t = 8000)]
+    pub k8s_port: u16,
+    /// k8s: a pod label naming the model the pod serves (else its /v1/models is asked).
+    #[arg(long, env = "PREFIX_ROUTER_K8S_MODEL_LABEL", default_value = "model")]
+    pub k8s_model_label: String,
+
     // The production-stack router's flags, mapped onto ours.
     /// (production-stack) Comma-separated backend URLs.
     #[arg(long, hide = true)]
@@ -110,7 +131,7 @@ pub struct ServeArgs {
     /// (production-stack) Host to listen on.
     #[arg(long, hide = true)]
     pub host: Option<IpAddr>,
-    /// (production-stack) Only `static` for now.
+    /// (production-stack) `static` or `k8s`.
     #[arg(long, hide = true)]
     pub service_discovery: Option<String>,
 }
@@ -201,8 +222,9 @@ impl ServeArgs {
             );
         }
         match self.service_discovery.as_deref() {
-            None | Some("static") => {}
-            Some(other) => bail!("--service-discovery {other:?} is not supported yet (static)"),
+            None => {}
+            Some(d @ ("static" | "k8s")) => self.discovery = d.to_owned(),
+            Some(other) => bail!("--service-discovery {other:?} is not supported (static, k8s)"),
         }
         anyhow::ensure!(
             (0.0..=1.0).contains(&self.cache_threshold),
@@ -210,6 +232,16 @@ impl ServeArgs {
         );
         anyhow::ensure!(self.balance_rel >= 1.0, "--balance-rel must be at least 1");
         Ok(())
+    }
+
+    /// The Kubernetes discovery settings, when `--discovery k8s`.
+    pub fn k8s(&self) -> Option<super::discovery::K8sSettings> {
+        (self.discovery == "k8s").then(|| super::discovery::K8sSettings {
+            namespace: self.namespace.clone(),
+            label_selector: self.label_selector.clone(),
+            port: self.k8s_port,
+            model_label: self.k8s_model_label.clone(),
+        })
     }
 
     /// Every backend: the flags', then the config file's (which may add models and keys).

@@ -2,6 +2,7 @@
 
 pub mod backend;
 pub mod config;
+pub mod discovery;
 mod metrics;
 pub mod monitor;
 pub mod policy;
@@ -585,16 +586,40 @@ pub fn app(gw: Arc<Gateway>) -> Router {
         .layer(CatchPanicLayer::custom(api_error::panic_response))
 }
 
+/// Starts the background work: monitoring, config file, Kubernetes discovery.
+async fn start_background(
+    gw: &Arc<Gateway>,
+    args: &ServeArgs,
+    k8s_client: Option<kube::Client>,
+) -> anyhow::Result<()> {
+    monitor::spawn(gw);
+    match args.k8s() {
+        Some(settings) => {
+            let static_specs = args.backend_specs()?;
+            discovery::spawn(
+                gw,
+                settings,
+                static_specs,
+                args.backend_api_key.clone(),
+                k8s_client,
+            )
+            .await?;
+        }
+        None => watch_config(gw, args.clone()),
+    }
+    Ok(())
+}
+
 /// Runs the gateway until SIGINT or SIGTERM.
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let listener = server::bind(args.listen).await?;
     let gw = gateway(&args).await?;
-    monitor::spawn(&gw);
-    watch_config(&gw, args.clone());
+    start_background(&gw, &args, None).await?;
     tracing::info!(
         listen = %listener.local_addr()?,
         policy = args.policy.name(),
         store = gw.store.kind(),
+        discovery = args.discovery.as_str(),
         backends = gw.fleet.all().len(),
         "router ready"
     );
@@ -606,8 +631,16 @@ pub async fn spawn(
     args: ServeArgs,
     listener: TcpListener,
 ) -> anyhow::Result<(Running, Arc<Gateway>)> {
+    spawn_with(args, listener, None).await
+}
+
+/// [`spawn`], with the Kubernetes client discovery should use (tests give a fake API server).
+pub async fn spawn_with(
+    args: ServeArgs,
+    listener: TcpListener,
+    k8s_client: Option<kube::Client>,
+) -> anyhow::Result<(Running, Arc<Gateway>)> {
     let gw = gateway(&args).await?;
-    monitor::spawn(&gw);
-    watch_config(&gw, args);
+    start_background(&gw, &args, k8s_client).await?;
     Ok((Running::spawn(listener, app(gw.clone()))?, gw))
 }

@@ -1,0 +1,220 @@
+//! Kubernetes service discovery: the backends are the Ready pods matching a label selector.
+//!
+//! A `kube-runtime` watcher lists and then watches the pods (resuming, and re-listing when
+//! the watch is dropped or expires). A pod becomes a backend when it is Ready and has an IP;
+//! it joins the routing candidates once its `/v1/models` answers (the health checks), and
+//! leaves — index entries dropped — when it is deleted, stops being Ready, or fails its checks.
+//! A changed pod IP is a new backend URL: the old one leaves, the new one joins.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use kube::Api;
+
+use super::backend::BackendSpec;
+use super::Gateway;
+
+/// What `--discovery k8s` needs.
+#[derive(Clone, Debug)]
+pub struct K8sSettings {
+    pub namespace: Option<String>,
+    pub label_selector: Option<String>,
+    /// Port of the pods' OpenAI server when a pod declares no container port named `http`.
+    pub port: u16,
+    /// A pod label whose value, when present, is the model the pod serves (instead of asking
+    /// its `/v1/models`).
+    pub model_label: String,
+}
+
+/// The backend a pod stands for, if it is one now.
+pub fn pod_backend(pod: &Pod, settings: &K8sSettings) -> Option<BackendSpec> {
+    let status = pod.status.as_ref()?;
+    if pod.metadata.deletion_timestamp.is_some() {
+        return None;
+    }
+    let ready = status
+        .conditions
+        .iter()
+        .flatten()
+        .any(|c| c.type_ == "Ready" && c.status == "True");
+    let ip = status.pod_ip.as_deref().filter(|ip| !ip.is_empty())?;
+    if !ready {
+        return None;
+    }
+    let port = pod
+        .spec
+        .iter()
+        .flat_map(|s| s.containers.iter())
+        .flat_map(|c| c.ports.iter().flatten())
+        .find(|p| p.name.as_deref() == Some("http"))
+        .and_then(|p| u16::try_from(p.container_port).ok())
+        .unwrap_or(settings.port);
+    let host = if ip.contains(':') {
+        format!("[{ip}]")
+    } else {
+        ip.to_owned()
+    };
+    let mut spec = BackendSpec::new(&format!("http://{host}:{port}"));
+    spec.models = pod
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(&settings.model_label))
+        .map(|m| vec![m.clone()]);
+    Some(spec)
+}
+
+/// Watches the pods and keeps the fleet equal to `static_specs` plus the Ready pods.
+pub async fn run(
+    gw: std::sync::Weak<Gateway>,
+    client: kube::Client,
+    settings: K8sSettings,
+    static_specs: Vec<BackendSpec>,
+    api_key: Option<String>,
+) {
+    let api: Api<Pod> = match &settings.namespace {
+        Some(ns) => Api::namespaced(client, ns),
+        None => Api::default_namespaced(client),
+    };
+    let mut config = watcher::Config::default();
+    if let Some(selector) = &settings.label_selector {
+        config = config.labels(selector);
+    }
+    let mut events = watcher::watcher(api, config).default_backoff().boxed();
+    // Pods by name; `listing` collects a re-list until it is complete.
+    let mut pods: BTreeMap<String, BackendSpec> = BTreeMap::new();
+    let mut listing: Option<BTreeMap<String, BackendSpec>> = None;
+    while let Some(event) = events.next().await {
+        let changed = match event {
+            Ok(Event::Init) => {
+                listing = Some(BTreeMap::new());
+                false
+            }
+            Ok(Event::InitApply(pod)) => {
+                if let (Some(list), Some(name)) = (listing.as_mut(), pod.metadata.name.clone()) {
+                    if let Some(spec) = pod_backend(&pod, &settings) {
+                        list.insert(name, spec);
+                    }
+                }
+                false
+            }
+            Ok(Event::InitDone) => {
+                pods = listing.take().unwrap_or_default();
+                true
+            }
+            Ok(Event::Apply(pod)) => {
+                let Some(name) = pod.metadata.name.clone() else {
+                    continue;
+                };
+                match pod_backend(&pod, &settings) {
+                    Some(spec) => pods.insert(name, spec.clone()) != Some(spec),
+                    None => pods.remove(&name).is_some(),
+                }
+            }
+            Ok(Event::Delete(pod)) => pod
+                .metadata
+                .name
+                .as_ref()
+                .is_some_and(|name| pods.remove(name).is_some()),
+            Err(e) => {
+                tracing::warn!(error = %e, "pod watch failed; retrying");
+                false
+            }
+        };
+        if !changed {
+            continue;
+        }
+        let Some(gw) = gw.upgrade() else { return };
+        let mut specs = static_specs.clone();
+        for spec in pods.values() {
+            let mut spec = spec.clone();
+            spec.api_key = api_key.clone();
+            if !specs.iter().any(|s| s.url == spec.url) {
+                specs.push(spec);
+            }
+        }
+        tracing::info!(pods = pods.len(), "pods changed");
+        if let Err(e) = gw.set_backends(&specs).await {
+            tracing::warn!(error = %e, "could not apply the discovered pods");
+        }
+    }
+}
+
+/// Starts discovery in the background: in-cluster configuration or KUBECONFIG, unless a
+/// client is given (tests point one at a fake API server).
+pub async fn spawn(
+    gw: &Arc<Gateway>,
+    settings: K8sSettings,
+    static_specs: Vec<BackendSpec>,
+    api_key: Option<String>,
+    client: Option<kube::Client>,
+) -> anyhow::Result<()> {
+    let client = match client {
+        Some(c) => c,
+        None => kube::Client::try_default().await.map_err(|e| {
+            anyhow::anyhow!("Kubernetes discovery: no in-cluster configuration or KUBECONFIG: {e}")
+        })?,
+    };
+    tokio::spawn(run(
+        Arc::downgrade(gw),
+        client,
+        settings,
+        static_specs,
+        api_key,
+    ));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> K8sSettings {
+        K8sSettings {
+            namespace: None,
+            label_selector: None,
+            port: 8000,
+            model_label: "model".into(),
+        }
+    }
+
+    fn pod(json: serde_json::Value) -> Pod {
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn ready_pods_with_an_ip_are_backends() {
+        let ready = pod(serde_json::json!({
+            "metadata": {"name": "a", "labels": {"model": "m1"}},
+            "spec": {"containers": [{"name": "vllm", "ports": [{"name": "http", "containerPort": 9000}]}]},
+            "status": {"podIP": "10.0.0.5", "conditions": [{"type": "Ready", "status": "True"}]}
+        }));
+        let spec = pod_backend(&ready, &settings()).unwrap();
+        assert_eq!(spec.url, "http://10.0.0.5:9000");
+        assert_eq!(spec.models, Some(vec!["m1".to_owned()]));
+        let default_port = pod(serde_json::json!({
+            "metadata": {"name": "b"},
+            "spec": {"containers": [{"name": "vllm"}]},
+            "status": {"podIP": "10.0.0.6", "conditions": [{"type": "Ready", "status": "True"}]}
+        }));
+        let spec = pod_backend(&default_port, &settings()).unwrap();
+        assert_eq!(
+            (spec.url.as_str(), spec.models),
+            ("http://10.0.0.6:8000", None)
+        );
+        let not_ready = pod(serde_json::json!({
+            "metadata": {"name": "c"},
+            "status": {"podIP": "10.0.0.7", "conditions": [{"type": "Ready", "status": "False"}]}
+        }));
+        assert!(pod_backend(&not_ready, &settings()).is_none());
+        let no_ip = pod(serde_json::json!({
+            "metadata": {"name": "d"},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]}
+        }));
+        assert!(pod_backend(&no_ip, &settings()).is_none());
+    }
+}

@@ -1,0 +1,241 @@
+//! deploy/: the plain manifests and the Helm chart render to valid YAML with the fields a
+//! deployment needs, and the router config they carry is one `serve` accepts.
+//!
+//! No `helm` binary here: the chart's templates are rendered by a small renderer of the subset
+//! of Go templates they use (values, release name, `quote`, `toYaml | nindent`, `if`/`end`), and
+//! the test fails if a template uses anything else.
+
+use std::path::{Path, PathBuf};
+
+use serde_norway::Value;
+
+fn deploy() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../deploy")
+}
+
+fn docs(text: &str) -> Vec<Value> {
+    text.split("\n---")
+        .map(|d| {
+            serde_norway::from_str::<Value>(d).unwrap_or_else(|e| panic!("invalid YAML: {e}\n{d}"))
+        })
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+fn get<'a>(v: &'a Value, path: &str) -> &'a Value {
+    path.split('.')
+        .fold(v, |v, key| match key.parse::<usize>() {
+            Ok(i) => &v[i],
+            Err(_) => &v[key],
+        })
+}
+
+fn kind<'a>(all: &'a [Value], kind: &str) -> &'a Value {
+    all.iter()
+        .find(|d| d["kind"].as_str() == Some(kind))
+        .unwrap_or_else(|| panic!("no {kind}"))
+}
+
+/// The checks every rendering must pass.
+fn check(all: &[Value], expect_scrape: bool) {
+    let role = kind(all, "Role");
+    assert_eq!(get(role, "rules.0.resources.0").as_str(), Some("pods"));
+    let verbs: Vec<&str> = get(role, "rules.0.verbs")
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(verbs, ["get", "list", "watch"]);
+    let binding = kind(all, "RoleBinding");
+    let account = kind(all, "ServiceAccount")["metadata"]["name"]
+        .as_str()
+        .unwrap();
+    assert_eq!(get(binding, "subjects.0.name").as_str(), Some(account));
+    assert_eq!(get(binding, "roleRef.name"), &role["metadata"]["name"]);
+
+    let deployment = kind(all, "Deployment");
+    let pod = get(deployment, "spec.template");
+    assert_eq!(get(pod, "spec.serviceAccountName").as_str(), Some(account));
+    let container = get(pod, "spec.containers.0");
+    for probe in ["readinessProbe", "livenessProbe"] {
+        assert_eq!(
+            get(container, &format!("{probe}.httpGet.path")).as_str(),
+            Some("/health")
+        );
+    }
+    let env = container["env"].as_sequence().unwrap();
+    let listen = env
+        .iter()
+        .find(|e| e["name"].as_str() == Some("PREFIX_ROUTER_LISTEN"))
+        .unwrap();
+    assert!(
+        listen["value"].as_str().unwrap().starts_with("0.0.0.0:"),
+        "listens on every interface"
+    );
+    assert!(container["resources"]["requests"]["cpu"].is_string());
+    let annotations = &pod["metadata"]["annotations"];
+    assert_eq!(
+        annotations["prometheus.io/scrape"].as_str() == Some("true"),
+        expect_scrape,
+        "{annotations:?}"
+    );
+    assert!(kind(all, "Service")["spec"]["ports"][0]["port"].is_number());
+
+    // The router config in the ConfigMap is accepted by `serve` (written out, then parsed).
+    let toml = kind(all, "ConfigMap")["data"]["router.toml"]
+        .as_str()
+        .unwrap();
+    let file = std::env::temp_dir().join(format!(
+        "deploy-router-{}-{}.toml",
+        std::process::id(),
+        toml.len()
+    ));
+    std::fs::write(&file, toml).unwrap();
+    let args = prefix_router::serve::ServeArgs::from_words(&[
+        "--config".into(),
+        file.display().to_string(),
+    ])
+    .unwrap();
+    assert_eq!(args.discovery, "k8s");
+    assert_eq!(args.label_selector.as_deref(), Some("app=vllm"));
+    assert!(args.k8s().is_some());
+}
+
+#[test]
+fn plain_manifests_are_complete() {
+    let text = std::fs::read_to_string(deploy().join("manifests/prefix-router.yaml")).unwrap();
+    check(&docs(&text), true);
+}
+
+// ---- a renderer for the chart's template subset ----------------------------------------------
+
+fn lookup<'a>(ctx: &'a Value, path: &str) -> &'a Value {
+    let path = path.trim().trim_start_matches('.');
+    path.split('.').fold(ctx, |v, key| &v[key])
+}
+
+fn scalar(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Number(n) => n.to_string(),
+        Value::Bool(b) => b.to_string(),
+        other => panic!("not a scalar: {other:?}"),
+    }
+}
+
+fn eval(expr: &str, ctx: &Value) -> String {
+    let mut stages = expr.split('|').map(str::trim);
+    let head = stages.next().unwrap();
+    let mut out = match head.strip_prefix("toYaml ") {
+        Some(path) => serde_norway::to_string(lookup(ctx, path))
+            .unwrap()
+            .trim_end()
+            .to_owned(),
+        None => scalar(lookup(ctx, head)),
+    };
+    for stage in stages {
+        out = match stage.split_whitespace().collect::<Vec<_>>().as_slice() {
+            ["quote"] => format!("{out:?}"),
+            ["nindent", n] => {
+                let pad = " ".repeat(n.parse().unwrap());
+                out.lines().map(|l| format!("\n{pad}{l}")).collect()
+            }
+            other => panic!("template function {other:?} is not supported by the test renderer"),
+        };
+    }
+    out
+}
+
+fn truthy(v: &Value) -> bool {
+    !matches!(v, Value::Null | Value::Bool(false)) && v.as_str() != Some("")
+}
+
+fn render(template: &str, ctx: &Value) -> String {
+    let mut out = String::new();
+    let mut rest = template;
+    // A stack of "is this branch shown" for if/end.
+    let mut shown = vec![true];
+    while let Some(start) = rest.find("{{") {
+        let mut before = &rest[..start];
+        let end = rest[start..].find("}}").expect("closed action") + start;
+        let mut action = &rest[start + 2..end];
+        let mut after = &rest[end + 2..];
+        if let Some(a) = action.strip_prefix('-') {
+            before = before.trim_end();
+            action = a;
+        }
+        if let Some(a) = action.strip_suffix('-') {
+            after = after.trim_start();
+            action = a;
+        }
+        if shown.iter().all(|s| *s) {
+            out.push_str(before);
+        }
+        let action = action.trim();
+        if let Some(cond) = action.strip_prefix("if ") {
+            shown.push(truthy(lookup(ctx, cond)));
+        } else if action == "end" {
+            shown.pop().expect("balanced if/end");
+        } else if shown.iter().all(|s| *s) {
+            out.push_str(&eval(action, ctx));
+        }
+        rest = after;
+    }
+    out.push_str(rest);
+    out
+}
+
+fn render_chart(dir: &Path, values: Value) -> Vec<Value> {
+    let chart: Value =
+        serde_norway::from_str(&std::fs::read_to_string(dir.join("Chart.yaml")).unwrap()).unwrap();
+    let ctx = serde_norway::to_value(serde_json::json!({
+        "Release": {"Name": "r1", "Namespace": "llm"},
+    }))
+    .unwrap();
+    let mut ctx = ctx;
+    ctx["Values"] = values;
+    ctx["Chart"] = serde_norway::to_value(serde_json::json!({"Name": chart["name"].as_str(), "AppVersion": chart["appVersion"].as_str()})).unwrap();
+    let mut all = Vec::new();
+    let mut templates: Vec<_> = std::fs::read_dir(dir.join("templates"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    templates.sort();
+    for t in templates {
+        all.extend(docs(&render(&std::fs::read_to_string(&t).unwrap(), &ctx)));
+    }
+    all
+}
+
+#[test]
+fn the_helm_chart_renders_with_its_values() {
+    let dir = deploy().join("helm/prefix-router");
+    let values: Value =
+        serde_norway::from_str(&std::fs::read_to_string(dir.join("values.yaml")).unwrap()).unwrap();
+    let all = render_chart(&dir, values.clone());
+    check(&all, true);
+    assert_eq!(
+        get(kind(&all, "Deployment"), "spec.replicas").as_u64(),
+        Some(1)
+    );
+
+    // Several replicas sharing PostgreSQL, no scrape annotations.
+    let mut shared = values;
+    shared["replicaCount"] = Value::from(3);
+    shared["router"]["store"] = Value::from("postgres://router@postgres/router");
+    shared["metrics"]["scrape"] = Value::from(false);
+    let all = render_chart(&dir, shared);
+    check(&all, false);
+    assert_eq!(
+        get(kind(&all, "Deployment"), "spec.replicas").as_u64(),
+        Some(3)
+    );
+    let toml = kind(&all, "ConfigMap")["data"]["router.toml"]
+        .as_str()
+        .unwrap();
+    assert!(
+        toml.contains("store = \"postgres://router@postgres/router\""),
+        "{toml}"
+    );
+}

@@ -1,0 +1,326 @@
+//! Kubernetes discovery against a fake API server (list + watch of pods, ADDED / MODIFIED /
+//! DELETED events, and a watch that drops and must be resumed), driving a router in front of
+//! simulated vLLM servers.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use parking_lot::Mutex;
+use prefix_router::serve::{self, ServeArgs};
+use serde_json::{json, Value};
+use tokio::sync::broadcast;
+
+#[derive(Default)]
+struct Cluster {
+    rv: u64,
+    pods: BTreeMap<String, Value>,
+    /// (resourceVersion, type, pod) of every change, for watches resuming from a version.
+    log: Vec<(u64, String, Value)>,
+    /// Bumped to cut every open watch.
+    cut: u64,
+}
+
+#[derive(Clone)]
+struct Fake {
+    cluster: Arc<Mutex<Cluster>>,
+    events: broadcast::Sender<(u64, String, Value)>,
+}
+
+impl Fake {
+    fn new() -> Self {
+        Self {
+            cluster: Arc::default(),
+            events: broadcast::channel(1024).0,
+        }
+    }
+
+    fn change(&self, kind: &str, mut pod: Value) {
+        let mut c = self.cluster.lock();
+        c.rv += 1;
+        let rv = c.rv;
+        pod["metadata"]["resourceVersion"] = json!(rv.to_string());
+        let name = pod["metadata"]["name"].as_str().unwrap().to_owned();
+        if kind == "DELETED" {
+            c.pods.remove(&name);
+        } else {
+            c.pods.insert(name, pod.clone());
+        }
+        c.log.push((rv, kind.to_owned(), pod.clone()));
+        let _ = self.events.send((rv, kind.to_owned(), pod));
+    }
+
+    fn cut_watches(&self) {
+        self.cluster.lock().cut += 1;
+    }
+}
+
+fn selected(pod: &Value, selector: Option<&String>) -> bool {
+    selector.is_none_or(|sel| {
+        sel.split(',').all(|term| {
+            let (k, v) = term.split_once('=').unwrap_or((term, ""));
+            pod["metadata"]["labels"][k].as_str() == Some(v)
+        })
+    })
+}
+
+async fn pods(
+    State(fake): State<Fake>,
+    Path(ns): Path<String>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    assert_eq!(ns, "llm", "the router watches the namespace it was given");
+    let selector = q.get("labelSelector");
+    if q.get("watch").is_some_and(|w| w == "true" || w == "1") {
+        let from: u64 = q
+            .get("resourceVersion")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let (backlog, my_cut) = {
+            let c = fake.cluster.lock();
+            let backlog: Vec<_> = c
+                .log
+                .iter()
+                .filter(|(rv, _, _)| *rv > from)
+                .cloned()
+                .collect();
+            (backlog, c.cut)
+        };
+        let mut live = fake.events.subscribe();
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(64);
+        let sel = selector.cloned();
+        let cluster = fake.cluster.clone();
+        tokio::spawn(async move {
+            let line = |kind: &str, pod: &Value| {
+                bytes::Bytes::from(format!("{}\n", json!({"type": kind, "object": pod})))
+            };
+            for (_, kind, pod) in backlog {
+                if selected(&pod, sel.as_ref()) && tx.send(Ok(line(&kind, &pod))).await.is_err() {
+                    return;
+                }
+            }
+            loop {
+                tokio::select! {
+                    event = live.recv() => match event {
+                        Ok((rv, kind, pod)) if rv > from && selected(&pod, sel.as_ref()) => {
+                            if tx.send(Ok(line(&kind, &pod))).await.is_err() {
+                                return;
+                            }
+                        }
+                        Ok(_) => {}
+                        Err(_) => return,
+                    },
+                    _ = tokio::time::sleep(Duration::from_millis(20)) => {
+                        if cluster.lock().cut != my_cut {
+                            return; // the watch drops
+                        }
+                    }
+                }
+            }
+        });
+        return Response::builder()
+            .header("content-type", "application/json")
+            .body(Body::from_stream(
+                tokio_stream::wrappers::ReceiverStream::new(rx),
+            ))
+            .unwrap();
+    }
+    let c = fake.cluster.lock();
+    let items: Vec<&Value> = c.pods.values().filter(|p| selected(p, selector)).collect();
+    Json(json!({
+        "apiVersion": "v1", "kind": "PodList",
+        "metadata": {"resourceVersion": c.rv.to_string()},
+        "items": items,
+    }))
+    .into_response()
+}
+
+fn pod(name: &str, port: u16, ready: bool, extra_labels: Value) -> Value {
+    let mut labels = json!({"app": "vllm"});
+    for (k, v) in extra_labels.as_object().unwrap() {
+        labels[k] = v.clone();
+    }
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "llm", "uid": format!("uid-{name}"), "labels": labels},
+        "spec": {"containers": [{"name": "vllm", "ports": [{"name": "http", "containerPort": port}]}]},
+        "status": {"podIP": "127.0.0.1", "phase": "Running",
+                   "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}]},
+    })
+}
+
+async fn health(router: &str) -> (u64, u64) {
+    let v: Value = reqwest::get(format!("{router}/health"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    (
+        v["backends"].as_u64().unwrap(),
+        v["healthy_backends"].as_u64().unwrap(),
+    )
+}
+
+async fn until(router: &str, backends: u64) {
+    for _ in 0..100 {
+        if health(router).await == (backends, backends) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!(
+        "expected {backends} healthy backends, have {:?}",
+        health(router).await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_join_and_leave_through_list_and_watch() {
+    let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+    let sims = vllm_sim::Fleet::start(
+        vllm_sim::SimConfig {
+            time_scale: 0.0,
+            ..vllm_sim::SimConfig::default()
+        },
+        4,
+        loopback,
+    )
+    .await
+    .unwrap();
+    let ports: Vec<u16> = sims.servers.iter().map(|s| s.addr.port()).collect();
+    let fake = Fake::new();
+    // One matching pod before the router starts, and one of another app that must be ignored.
+    fake.change("ADDED", pod("vllm-0", ports[0], true, json!({})));
+    let mut other = pod("db-0", ports[3], true, json!({}));
+    other["metadata"]["labels"] = json!({"app": "postgres"});
+    fake.change("ADDED", other);
+
+    let api = tokio::net::TcpListener::bind(loopback).await.unwrap();
+    let api_url = format!("http://{}", api.local_addr().unwrap());
+    let app = Router::new()
+        .route("/api/v1/namespaces/{ns}/pods", get(pods))
+        .with_state(fake.clone());
+    tokio::spawn(async move { axum::serve(api, app).await.unwrap() });
+    let client = kube::Client::try_from(kube::Config::new(api_url.parse().unwrap())).unwrap();
+
+    let listener = tokio::net::TcpListener::bind(loopback).await.unwrap();
+    let words: Vec<String> = [
+        "--listen",
+        &listener.local_addr().unwrap().to_string(),
+        "--service-discovery",
+        "k8s",
+        "--k8s-namespace",
+        "llm",
+        "--k8s-label-selector",
+        "app=vllm",
+        "--health-interval",
+        "100ms",
+        "--metrics-interval",
+        "100ms",
+        "--unhealthy-after",
+        "1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let args = ServeArgs::from_words(&words).unwrap();
+    let (running, _gw) = serve::spawn_with(args, listener, Some(client))
+        .await
+        .unwrap();
+    let router = running.url();
+
+    until(&router, 1).await;
+    let ask = || async {
+        reqwest::Client::new()
+            .post(format!("{router}/v1/completions"))
+            .json(&json!({"model": "sim-model", "prompt": "hello", "max_tokens": 1}))
+            .send()
+            .await
+            .unwrap()
+            .status()
+    };
+    assert!(ask().await.is_success());
+
+    fake.change("ADDED", pod("vllm-1", ports[1], true, json!({})));
+    until(&router, 2).await;
+    // Not Ready: it leaves; Ready again: it returns.
+    fake.change("MODIFIED", pod("vllm-1", ports[1], false, json!({})));
+    until(&router, 1).await;
+    fake.change("MODIFIED", pod("vllm-1", ports[1], true, json!({})));
+    until(&router, 2).await;
+
+    // The watch drops; a pod arrives meanwhile; the resumed watch brings it.
+    fake.cut_watches();
+    fake.change(
+        "ADDED",
+        pod("vllm-2", ports[2], true, json!({"model": "sim-model"})),
+    );
+    until(&router, 3).await;
+
+    // Deleted: it leaves, and requests go to the others.
+    fake.change("DELETED", pod("vllm-0", ports[0], true, json!({})));
+    until(&router, 2).await;
+    let before = metric_sum(&sims.urls()[0]).await;
+    for _ in 0..6 {
+        assert!(ask().await.is_success());
+    }
+    assert_eq!(
+        metric_sum(&sims.urls()[0]).await,
+        before,
+        "no request for the deleted pod"
+    );
+
+    // Its address changes (here the port): the old backend leaves, the new one joins.
+    fake.change(
+        "MODIFIED",
+        pod("vllm-2", ports[3], true, json!({"model": "sim-model"})),
+    );
+    for _ in 0..100 {
+        let text = reqwest::get(format!("{router}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let healthy: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("prefix_router_backend_healthy{"))
+            .collect();
+        let has = |port: u16| {
+            healthy.iter().any(|l| {
+                l.contains(&format!("backend=\"http://127.0.0.1:{port}\"")) && l.ends_with(" 1")
+            })
+        };
+        if has(ports[3])
+            && !healthy
+                .iter()
+                .any(|l| l.contains(&format!(":{}\"", ports[2])))
+        {
+            running.shutdown().await;
+            sims.shutdown().await;
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the moved pod did not move");
+}
+
+async fn metric_sum(sim: &str) -> f64 {
+    let text = reqwest::get(format!("{sim}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("vllm:request_success_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
