@@ -21,6 +21,8 @@ use serde_json::{json, Value};
 
 pub struct IndexClient {
     base: String,
+    /// `Bearer <key>` for an index that requires keys.
+    authorization: Option<axum::http::HeaderValue>,
     client: Client<HttpConnector, Full<Bytes>>,
     timeout: Duration,
 }
@@ -31,12 +33,18 @@ impl IndexClient {
         url: &str,
         hasher: PrefixHasher,
         timeout: Duration,
+        key: Option<&str>,
     ) -> anyhow::Result<Self> {
+        let authorization = key
+            .map(|k| axum::http::HeaderValue::from_str(&format!("Bearer {k}")))
+            .transpose()
+            .map_err(|_| anyhow::anyhow!("the index key is not a valid header value"))?;
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(timeout));
         let client = Self {
             base: url.trim_end_matches('/').to_owned(),
+            authorization,
             client: Client::builder(TokioExecutor::new())
                 .pool_idle_timeout(Duration::from_secs(60))
                 .build(connector),
@@ -66,12 +74,16 @@ impl IndexClient {
         body: Option<Value>,
     ) -> Result<Value, StoreError> {
         let bytes = body.map(|b| Bytes::from(b.to_string())).unwrap_or_default();
-        let req = Request::builder()
+        let mut req = Request::builder()
             .method(method)
             .uri(format!("{}{path}", self.base))
             .header(header::CONTENT_TYPE, "application/json")
             .body(Full::new(bytes))
             .map_err(|e| StoreError::InvalidArgument(e.to_string()))?;
+        if let Some(auth) = &self.authorization {
+            req.headers_mut()
+                .insert(header::AUTHORIZATION, auth.clone());
+        }
         let exchange = async {
             let resp = self
                 .client

@@ -3,6 +3,7 @@
 //! The binary's subcommands live here as modules so that tests, `demo` and `bench` can run them
 //! in-process.
 
+pub mod access;
 pub mod api_error;
 pub mod cli;
 pub mod http_metrics;

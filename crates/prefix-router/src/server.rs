@@ -1,12 +1,54 @@
-//! Running an axum app on a socket until a signal or a shutdown request.
+//! Running an axum app on a socket: the accept loop with the limits an open port needs (slow
+//! clients cannot pin connections, heads are bounded, requests in flight are capped), until a
+//! signal or a shutdown request.
 
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
 
-use anyhow::Context;
+use anyhow::Context as _;
+use axum::body::Body;
+use axum::extract::Request;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::IntoResponse;
 use axum::Router;
+use hyper::body::{Body as HttpBody, Frame, SizeHint};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
+
+use crate::api_error::ApiError;
+
+/// Limits of the HTTP server, the same for every subcommand that listens.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServerLimits {
+    /// Longest wait for a request's headers, also between keep-alive requests: a client that
+    /// sends nothing (or too slowly) loses the connection.
+    #[arg(long, env = "PREFIX_ROUTER_HEADER_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub header_timeout: Duration,
+    /// Largest request head (request line and headers), in bytes; larger gets 431.
+    #[arg(long, env = "PREFIX_ROUTER_MAX_HEADER_BYTES", default_value_t = 64 * 1024)]
+    pub max_header_bytes: usize,
+    /// Requests handled at once; more get 429 with Retry-After.
+    #[arg(long, env = "PREFIX_ROUTER_MAX_CONCURRENT", default_value_t = 4096)]
+    pub max_concurrent: usize,
+}
+
+impl Default for ServerLimits {
+    fn default() -> Self {
+        Self {
+            header_timeout: Duration::from_secs(10),
+            max_header_bytes: 64 * 1024,
+            max_concurrent: 4096,
+        }
+    }
+}
 
 /// Binds `addr` with a clear error when it is taken.
 pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
@@ -37,44 +79,142 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// Accepted connections send small writes (an SSE event, a response head) at once: without
-/// TCP_NODELAY, Nagle's algorithm holds them until the peer's delayed ACK, up to 40 ms.
-fn no_delay(listener: TcpListener) -> impl axum::serve::Listener<Addr = SocketAddr> {
-    use axum::serve::ListenerExt;
-    listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "could not set TCP_NODELAY");
-        }
-    })
+/// A response body that keeps a concurrency permit until it is done or dropped.
+struct PermitBody {
+    inner: Body,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl HttpBody for PermitBody {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<bytes::Bytes>, Self::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Caps the requests in flight (streams count until their last byte): beyond the cap, 429.
+fn limit_concurrency(app: Router, max: usize) -> Router {
+    let permits = Arc::new(Semaphore::new(max.max(1)));
+    app.layer(axum::middleware::from_fn(
+        move |req: Request, next: axum::middleware::Next| {
+            let permits = permits.clone();
+            async move {
+                let Ok(permit) = permits.try_acquire_owned() else {
+                    let mut resp = ApiError::new(
+                        StatusCode::TOO_MANY_REQUESTS,
+                        "too many requests in flight; retry shortly",
+                    )
+                    .into_response();
+                    resp.headers_mut()
+                        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                    return resp;
+                };
+                let resp = next.run(req).await;
+                resp.map(|inner| {
+                    Body::new(PermitBody {
+                        inner,
+                        _permit: permit,
+                    })
+                })
+            }
+        },
+    ))
+}
+
+/// Serves `app` until `stop` resolves, then lets open connections finish (up to 30 s).
+async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: ServerLimits,
+    stop: impl std::future::Future<Output = ()>,
+) {
+    let app = limit_concurrency(app, limits.max_concurrent);
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .max_buf_size(limits.max_header_bytes.max(8192));
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(limits.max_header_bytes as u32);
+    let graceful = GracefulShutdown::new();
+    tokio::pin!(stop);
+    loop {
+        let (stream, _) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(conn) => conn,
+                Err(e) => {
+                    // Out of file descriptors and the like: wait instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut stop => break,
+        };
+        // Small writes (an SSE event, a response head) go out at once: without TCP_NODELAY,
+        // Nagle's algorithm holds them until the peer's delayed ACK, up to 40 ms.
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(app.clone());
+        let conn = builder
+            .serve_connection_with_upgrades(TokioIo::new(stream), service)
+            .into_owned();
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(Duration::from_secs(30), graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("connections still open after 30 s; closing them");
+    }
 }
 
 /// Serves `app` on `listener` until a signal arrives.
-pub async fn serve_until_signal(listener: TcpListener, app: Router) -> anyhow::Result<()> {
-    axum::serve(no_delay(listener), app.into_make_service())
-        .with_graceful_shutdown(shutdown_signal())
-        .await
-        .context("server failed")
+pub async fn serve_until_signal(
+    listener: TcpListener,
+    app: Router,
+    limits: ServerLimits,
+) -> anyhow::Result<()> {
+    serve(listener, app, limits, shutdown_signal()).await;
+    Ok(())
 }
 
 /// A server running in the background of this process (tests, `demo`, `bench`).
 pub struct Running {
     pub addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
-    task: Option<JoinHandle<std::io::Result<()>>>,
+    task: Option<JoinHandle<()>>,
 }
 
 impl Running {
     /// Serves `app` on `listener` in a background task.
-    pub fn spawn(listener: TcpListener, app: Router) -> anyhow::Result<Self> {
+    pub fn spawn(listener: TcpListener, app: Router, limits: ServerLimits) -> anyhow::Result<Self> {
         let addr = listener.local_addr()?;
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            axum::serve(no_delay(listener), app.into_make_service())
-                .with_graceful_shutdown(async {
-                    let _ = stopped.await;
-                })
-                .await
-        });
+        let task = tokio::spawn(serve(listener, app, limits, async {
+            let _ = stopped.await;
+        }));
         Ok(Self {
             addr,
             stop: Some(stop),

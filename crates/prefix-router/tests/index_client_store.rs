@@ -27,7 +27,7 @@ async fn make(config: StoreConfig) -> IndexClient {
     let url = server.url();
     // The server lives as long as the test's runtime.
     std::mem::forget(server);
-    IndexClient::connect(&url, hasher, Duration::from_secs(5))
+    IndexClient::connect(&url, hasher, Duration::from_secs(5), None)
         .await
         .unwrap()
 }
@@ -41,10 +41,15 @@ async fn a_mismatched_index_is_refused_at_connect() {
         .unwrap();
     let args = IndexArgs::with_listen(listener.local_addr().unwrap());
     let server = index::spawn(args, listener).await.unwrap();
-    let err = IndexClient::connect(&server.url(), conformance::hasher(), Duration::from_secs(5))
-        .await
-        .err()
-        .expect("different chunk size and seed");
+    let err = IndexClient::connect(
+        &server.url(),
+        conformance::hasher(),
+        Duration::from_secs(5),
+        None,
+    )
+    .await
+    .err()
+    .expect("different chunk size and seed");
     assert!(err.to_string().contains("hashes differently"), "{err}");
     server.shutdown().await;
 }

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use axum::extract::{Path, Request, State};
-use axum::http::header;
+use axum::http::{header, Method};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
@@ -15,6 +15,7 @@ use serde_json::json;
 use tower_http::catch_panic::CatchPanicLayer;
 
 use super::metrics::IndexMetrics;
+use crate::access::{self, Keys, Need};
 use crate::api_error::{self, ApiError};
 use crate::http_metrics;
 use crate::json_body::{BodyLimit, JsonBody};
@@ -28,6 +29,7 @@ pub struct IndexState {
     max_body: usize,
     /// The latest `t` (ms) any notify brought: the store's notion of now for purging.
     clock: Arc<AtomicU64>,
+    keys: Keys,
 }
 
 impl IndexState {
@@ -38,7 +40,14 @@ impl IndexState {
             metrics: Arc::new(IndexMetrics::new()),
             max_body,
             clock: Arc::default(),
+            keys: Keys::default(),
         }
+    }
+
+    /// Requires API and admin keys (see [`crate::access`]).
+    pub fn with_keys(mut self, keys: Keys) -> Self {
+        self.keys = keys;
+        self
     }
 
     /// The latest `t` (ms) any notify brought.
@@ -268,10 +277,22 @@ async fn body_limit(State(limit): State<usize>, mut req: Request, next: Next) ->
     next.run(req).await
 }
 
+/// Writes need the admin key; health and metrics are open; the rest needs the API key.
+fn need(req: &Request) -> Need {
+    let path = req.uri().path();
+    match *req.method() {
+        _ if path == "/health" || path == "/metrics" => Need::Open,
+        Method::POST if path == "/v1/notify" || path == "/v1/purge" => Need::Admin,
+        Method::PUT | Method::DELETE if path.starts_with("/v1/servers/") => Need::Admin,
+        _ => Need::Client,
+    }
+}
+
 /// The string server's routes.
 pub fn app(state: IndexState) -> Router {
     let http = state.metrics.http.clone();
     let max_body = state.max_body;
+    let keys = state.keys.clone();
     Router::new()
         .route("/v1/notify", post(notify))
         .route("/v1/query", post(query))
@@ -285,6 +306,9 @@ pub fn app(state: IndexState) -> Router {
         .fallback(api_error::unknown_path)
         .with_state(state)
         .layer(middleware::from_fn_with_state(max_body, body_limit))
+        .layer(middleware::from_fn(move |req, next| {
+            access::guard(keys.clone(), need, req, next)
+        }))
         .layer(middleware::from_fn_with_state(http, http_metrics::track))
         .layer(CatchPanicLayer::custom(api_error::panic_response))
 }

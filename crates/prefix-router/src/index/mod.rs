@@ -26,6 +26,10 @@ pub struct IndexArgs {
     /// How often expired entries (see `--ttl`) are purged; 0s never (they stay invisible).
     #[arg(long, env = "PREFIX_ROUTER_PURGE_INTERVAL", default_value = "10s", value_parser = humantime::parse_duration)]
     pub purge_interval: Duration,
+    #[command(flatten)]
+    pub access: crate::access::AccessArgs,
+    #[command(flatten)]
+    pub limits: crate::server::ServerLimits,
     /// Largest accepted request body, in bytes.
     #[arg(long, env = "PREFIX_ROUTER_MAX_BODY", default_value_t = 16 << 20)]
     pub max_body: usize,
@@ -48,7 +52,8 @@ impl IndexArgs {
 
 async fn state(args: &IndexArgs) -> anyhow::Result<IndexState> {
     let store = args.store.open().await?;
-    let state = IndexState::new(store.clone(), args.store.hasher()?, args.max_body);
+    let state = IndexState::new(store.clone(), args.store.hasher()?, args.max_body)
+        .with_keys(args.access.keys()?);
     if args.store.config()?.ttl_ms.is_some() && !args.purge_interval.is_zero() {
         spawn_purger(store, args.purge_interval, state.clock());
     }
@@ -83,10 +88,10 @@ pub async fn run(args: IndexArgs) -> anyhow::Result<()> {
         capacity = args.store.capacity,
         "string server ready"
     );
-    server::serve_until_signal(listener, app).await
+    server::serve_until_signal(listener, app, args.limits.clone()).await
 }
 
 /// Starts the string server in the background on an already bound listener.
 pub async fn spawn(args: IndexArgs, listener: TcpListener) -> anyhow::Result<Running> {
-    Running::spawn(listener, app(state(&args).await?))
+    Running::spawn(listener, app(state(&args).await?), args.limits.clone())
 }

@@ -90,6 +90,17 @@ pub struct ServeArgs {
     /// Largest accepted request body, in bytes.
     #[arg(long, env = "PREFIX_ROUTER_MAX_BODY", default_value_t = 32 << 20)]
     pub max_body: usize,
+    /// Longest wait for a backend's answer to begin (its status line) before the next
+    /// candidate is tried: a hung backend costs this much, not the whole request timeout.
+    #[arg(long, env = "PREFIX_ROUTER_UPSTREAM_TIMEOUT", default_value = "120s", value_parser = humantime::parse_duration)]
+    pub upstream_timeout: Duration,
+    /// Bearer token for the remote index (`--index-url`): its admin key when it has one.
+    #[arg(long, env = "PREFIX_ROUTER_INDEX_KEY", hide_env_values = true)]
+    pub index_key: Option<String>,
+    #[command(flatten)]
+    pub access: crate::access::AccessArgs,
+    #[command(flatten)]
+    pub limits: crate::server::ServerLimits,
 
     /// Where backends come from: `static` (flags and config file) or `k8s` (pods, plus any
     /// static ones).

@@ -49,6 +49,8 @@ pub struct GatewaySettings {
     pub max_body: usize,
     pub session_header: HeaderName,
     pub default_capacity: u64,
+    /// Longest wait for one backend's answer to begin before the next is tried.
+    pub upstream_timeout: Duration,
 }
 
 /// Everything a request needs.
@@ -65,6 +67,7 @@ pub struct Gateway {
     inline_notify: bool,
     /// Set while the store fails, so an outage is logged once, not per request.
     store_down: AtomicBool,
+    keys: crate::access::Keys,
 }
 
 impl Gateway {
@@ -223,6 +226,7 @@ pub async fn gateway(args: &ServeArgs) -> anyhow::Result<Arc<Gateway>> {
                     url,
                     hasher,
                     args.store_timeout.max(Duration::from_secs(1)),
+                    args.index_key.as_deref(),
                 )
                 .await?,
             ),
@@ -264,7 +268,9 @@ pub async fn gateway(args: &ServeArgs) -> anyhow::Result<Arc<Gateway>> {
             max_body: args.max_body,
             session_header,
             default_capacity: args.store.capacity,
+            upstream_timeout: args.upstream_timeout,
         },
+        keys: args.access.keys()?,
         metrics: RouterMetrics::new(),
         inline_notify,
         store_down: AtomicBool::new(false),
@@ -440,7 +446,26 @@ async fn forward(
                 .observe(received.elapsed().as_secs_f64());
         }
         let last = attempt + 1 == attempts;
-        match tokio::time::timeout_at(deadline.into(), gw.client.request(upstream)).await {
+        let attempt_deadline = deadline.min(Instant::now() + gw.settings.upstream_timeout);
+        match tokio::time::timeout_at(attempt_deadline.into(), gw.client.request(upstream)).await {
+            Err(_) if !last && attempt_deadline < deadline => {
+                tracing::warn!(request_id = ?request_id, backend = backend.url(), "backend did not answer in time: trying the next backend");
+                gw.backend_failed(&backend);
+                record(gw, &backend, &model, 504, received.elapsed());
+                gw.metrics
+                    .retries
+                    .get_or_create(&metrics::BackendLabels {
+                        backend: Label(backend.label.clone()),
+                    })
+                    .inc();
+                last_error = Some(
+                    ApiError::new(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        "the backend did not answer in time",
+                    )
+                    .into_response(),
+                );
+            }
             Err(_) => {
                 tracing::warn!(request_id = ?request_id, backend = backend.url(), "request timed out");
                 record(gw, &backend, &model, 504, received.elapsed());
@@ -564,8 +589,17 @@ async fn metrics_text(State(gw): State<Arc<Gateway>>) -> Response {
         .into_response()
 }
 
+/// Health and metrics are open; everything else needs the API key when one is set.
+fn need(req: &Request) -> crate::access::Need {
+    match req.uri().path() {
+        "/health" | "/metrics" => crate::access::Need::Open,
+        _ => crate::access::Need::Client,
+    }
+}
+
 /// The gateway's routes.
 pub fn app(gw: Arc<Gateway>) -> Router {
+    let keys = gw.keys.clone();
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
@@ -583,6 +617,9 @@ pub fn app(gw: Arc<Gateway>) -> Router {
         .method_not_allowed_fallback(api_error::wrong_method)
         .fallback(api_error::unknown_path)
         .with_state(gw)
+        .layer(axum::middleware::from_fn(move |req, next| {
+            crate::access::guard(keys.clone(), need, req, next)
+        }))
         .layer(CatchPanicLayer::custom(api_error::panic_response))
 }
 
@@ -623,7 +660,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         backends = gw.fleet.all().len(),
         "router ready"
     );
-    server::serve_until_signal(listener, app(gw)).await
+    server::serve_until_signal(listener, app(gw), args.limits.clone()).await
 }
 
 /// Starts the gateway in the background on an already bound listener (tests, demo, bench).
@@ -642,5 +679,8 @@ pub async fn spawn_with(
 ) -> anyhow::Result<(Running, Arc<Gateway>)> {
     let gw = gateway(&args).await?;
     start_background(&gw, &args, k8s_client).await?;
-    Ok((Running::spawn(listener, app(gw.clone()))?, gw))
+    Ok((
+        Running::spawn(listener, app(gw.clone()), args.limits.clone())?,
+        gw,
+    ))
 }
