@@ -15,8 +15,15 @@ use crate::api_error::ApiError;
 #[derive(Clone, Copy, Debug)]
 pub struct BodyLimit(pub usize);
 
-/// Reads the whole body up to the [`BodyLimit`] in the request's extensions (16 MiB if none).
+/// Reads the whole body, refusing more than `limit` bytes with a 413.
 pub async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    // A declared length over the limit is refused at once, before the client sends the body.
+    if http_body::Body::size_hint(&body).lower() > limit as u64 {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("request body exceeds the limit of {limit} bytes"),
+        ));
+    }
     axum::body::to_bytes(body, limit).await.map_err(|e| {
         let too_big = std::error::Error::source(&e)
             .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());

@@ -97,6 +97,8 @@ pub fn router(server: Server) -> Router {
         .route("/sim/state", get(sim_state))
         .route("/sim/config", post(sim_config))
         .fallback(|| async { SimError::with_status(StatusCode::NOT_FOUND, "Not Found") })
+        // vLLM takes long prompts; the length check is the model's (max_model_len), not HTTP's.
+        .layer(axum::extract::DefaultBodyLimit::max(256 << 20))
         .with_state(server)
 }
 

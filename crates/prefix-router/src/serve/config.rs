@@ -178,7 +178,11 @@ impl ServeArgs {
     pub fn from_words(words: &[String]) -> anyhow::Result<Self> {
         let mut argv = vec!["serve".to_owned()];
         argv.extend(words.iter().cloned());
-        let args = <Wrapper as clap::Parser>::try_parse_from(argv)?.args;
+        // Later words override earlier ones, as in the config-file merge.
+        let matches = Wrapper::command()
+            .args_override_self(true)
+            .try_get_matches_from(argv)?;
+        let args = Wrapper::from_arg_matches(&matches)?.args;
         args.resolve(words)
     }
 
