@@ -105,6 +105,9 @@ pub struct WorkloadArgs {
     /// random: prompt tokens.
     #[arg(long, default_value_t = 1024)]
     pub input_len: usize,
+    /// random: requests in the workload.
+    #[arg(long, default_value_t = 1024)]
+    pub random_count: usize,
 }
 
 /// One request of a workload.
@@ -235,7 +238,7 @@ pub fn jobs(args: &WorkloadArgs) -> anyhow::Result<Vec<Job>> {
                 })
                 .collect()
         }
-        WorkloadKind::Random => (0..1024u64)
+        WorkloadKind::Random => (0..args.random_count as u64)
             .map(|i| {
                 let prompt = text(seed ^ (i + 1) << 32, args.input_len);
                 single(body(args, "", &prompt, args.output_len))
