@@ -12,7 +12,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use prefix_index::{
     NotifyOutcome, PrefixHasher, PrefixHashes, PrefixStore, QueryOutcome, ServerId, ServerInfo,
     StoreError, Tick,
@@ -45,8 +45,10 @@ impl IndexClient {
         let client = Self {
             base: url.trim_end_matches('/').to_owned(),
             authorization,
+            // Reaped by the timer, and never reused near the index's own 10 s keep-alive limit.
             client: Client::builder(TokioExecutor::new())
-                .pool_idle_timeout(Duration::from_secs(60))
+                .pool_timer(TokioTimer::new())
+                .pool_idle_timeout(Duration::from_secs(4))
                 .build(connector),
             timeout,
         };

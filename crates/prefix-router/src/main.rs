@@ -1,10 +1,19 @@
 use clap::Parser;
 use prefix_router::cli::{init_logging, Cli, Command};
 
+/// jemalloc with a background thread that hands freed pages back to the system: after a burst of
+/// thousands of connections the process returns to its idle size instead of keeping the peak
+/// (glibc's malloc keeps it in per-thread arenas).
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     init_logging(&cli.log, cli.log_json);
+    if let Err(e) = tikv_jemalloc_ctl::background_thread::write(true) {
+        tracing::warn!("jemalloc background purging is off ({e}); memory freed after a burst returns more slowly");
+    }
     let result = match cli.command {
         Command::Serve(args) => match args.resolve(&serve_args()) {
             Ok(args) => prefix_router::serve::run(args).await,

@@ -286,6 +286,66 @@ async fn keys_guard_the_router_and_the_index() {
     assert_eq!(servers["servers"].as_array().unwrap().len(), 2, "{servers}");
 }
 
+/// The router's own key stays at the router; the backend gets its key (vLLM's `--api-key`), or,
+/// when the router checks no key, whatever the client sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_key_is_not_forwarded_and_the_backend_key_is() {
+    let sims = fleet(
+        SimConfig {
+            api_key: Some("shared-secret".into()),
+            ..fast()
+        },
+        1,
+    )
+    .await;
+    let body = json!({"model": "sim-model", "prompt": "hello", "max_tokens": 1});
+    let status = |r: &Running, key: &'static str| {
+        let req = Client::new()
+            .post(format!("{}/v1/completions", r.url()))
+            .bearer_auth(key)
+            .json(&body);
+        async move { req.send().await.unwrap().status() }
+    };
+    // Models are configured: without the backend key the router cannot list them.
+    let models = ["--static-models", "sim-model"];
+
+    // The client's token equals the backend's key, but it is the router's: it is not passed on.
+    let r = router(
+        &sims.urls(),
+        &[&models[..], &["--api-key", "shared-secret"]].concat(),
+    )
+    .await;
+    assert_eq!(status(&r, "shared-secret").await, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        metric(&sims.urls()[0], "vllm:request_success_total", "").await,
+        0.0
+    );
+    drop(r);
+
+    let r = router(
+        &sims.urls(),
+        &[
+            "--api-key",
+            "router-secret",
+            "--backend-api-key",
+            "shared-secret",
+        ],
+    )
+    .await;
+    assert_eq!(status(&r, "router-secret").await, StatusCode::OK);
+    assert_eq!(status(&r, "shared-secret").await, StatusCode::UNAUTHORIZED);
+    drop(r);
+
+    // A router without keys passes the client's Authorization through.
+    let r = router(&sims.urls(), &models).await;
+    assert_eq!(status(&r, "shared-secret").await, StatusCode::OK);
+    assert_eq!(status(&r, "wrong-secret").await, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        metric(&sims.urls()[0], "vllm:request_success_total", "").await,
+        2.0
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn limits_slow_clients_big_heads_and_too_many_requests() {
     // Each request takes ~300 ms.

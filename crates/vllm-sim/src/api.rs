@@ -71,9 +71,30 @@ impl Server {
     }
 }
 
+/// vLLM's API-key check: `/v1` paths only, the same 401 body.
+async fn require_api_key(
+    key: Arc<str>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let expected = format!("Bearer {key}");
+    let given = req.headers().get(header::AUTHORIZATION);
+    if req.uri().path().starts_with("/v1")
+        && given.is_none_or(|v| v.as_bytes() != expected.as_bytes())
+    {
+        return (
+            StatusCode::UNAUTHORIZED,
+            Json(json!({"error": "Unauthorized"})),
+        )
+            .into_response();
+    }
+    next.run(req).await
+}
+
 /// The routes of one server.
 pub fn router(server: Server) -> Router {
-    Router::new()
+    let api_key: Option<Arc<str>> = server.engine.config.api_key.as_deref().map(Into::into);
+    let routes = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions/render", post(render_completions))
@@ -99,7 +120,13 @@ pub fn router(server: Server) -> Router {
         .fallback(|| async { SimError::with_status(StatusCode::NOT_FOUND, "Not Found") })
         // vLLM takes long prompts; the length check is the model's (max_model_len), not HTTP's.
         .layer(axum::extract::DefaultBodyLimit::max(256 << 20))
-        .with_state(server)
+        .with_state(server);
+    match api_key {
+        Some(key) => routes.layer(axum::middleware::from_fn(move |req, next| {
+            require_api_key(key.clone(), req, next)
+        })),
+        None => routes,
+    }
 }
 
 fn parse_json(body: &Bytes) -> Result<Value, SimError> {

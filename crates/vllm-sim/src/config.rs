@@ -42,6 +42,10 @@ pub struct SimConfig {
     /// Real milliseconds every generation request waits before it is handled (a hang).
     #[arg(long, default_value_t = 0)]
     pub stall_ms: u64,
+    /// Like vLLM's `--api-key`: every `/v1` path needs `Authorization: Bearer <key>` (401
+    /// otherwise); health, metrics and the rest stay open.
+    #[arg(long, env = "VLLM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
 }
 
 impl Default for SimConfig {

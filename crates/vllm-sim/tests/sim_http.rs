@@ -502,3 +502,40 @@ async fn queueing_grows_ttft_and_cache_hits_avoid_it() {
     assert_eq!(hit_tokens, 10.0 * 3_984.0);
     fleet.shutdown().await;
 }
+
+/// `--api-key` as vLLM has it: `/v1` paths need the bearer key; health and metrics stay open.
+#[tokio::test]
+async fn an_api_key_guards_the_v1_paths_only() {
+    let sims = fleet(
+        SimConfig {
+            api_key: Some("sim-secret".into()),
+            ..fast()
+        },
+        1,
+    )
+    .await;
+    let url = &sims.urls()[0];
+    let (status, body) = post(url, "/v1/completions", completion("hi", 1)).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(body, json!({"error": "Unauthorized"}));
+    let with_key = |key: &str| {
+        Client::new()
+            .post(format!("{url}/v1/completions"))
+            .bearer_auth(key)
+            .json(&completion("hi", 1))
+            .send()
+    };
+    assert_eq!(
+        with_key("wrong").await.unwrap().status(),
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        with_key("sim-secret").await.unwrap().status(),
+        StatusCode::OK
+    );
+    for open in ["/health", "/metrics", "/version"] {
+        let status = reqwest::get(format!("{url}{open}")).await.unwrap().status();
+        assert_eq!(status, StatusCode::OK, "{open}");
+    }
+    assert_eq!(metric(url, "vllm:request_success_total").await, 1.0);
+}

@@ -429,6 +429,10 @@ async fn forward(
     let request_id = proxy::request_id(&parts.headers);
     let mut headers = parts.headers;
     headers.insert("x-request-id", request_id.clone());
+    if !gw.keys.is_open() {
+        // The client's bearer token is this router's key, not the backend's: it stays here.
+        headers.remove(axum::http::header::AUTHORIZATION);
+    }
     let deadline = received + gw.settings.request_timeout;
     let attempts = order.len().min(gw.settings.max_retries + 1);
     let mut last_error: Option<Response> = None;
