@@ -120,8 +120,11 @@ impl Backend {
             base,
             authorization,
             models: ArcSwap::from_pointee(models),
-            // Optimistic until the first health check says otherwise.
-            healthy: AtomicBool::new(true),
+            // With configured models, optimistic until the first health check says otherwise.
+            // Models still to be discovered: not a candidate (nor counted healthy) before the
+            // first check has read them, or a request arriving meanwhile would find no backend
+            // for its model.
+            healthy: AtomicBool::new(spec.models.is_some()),
             failures: AtomicU32::new(0),
             inflight: AtomicU64::new(0),
             waiting_first_byte: AtomicU64::new(0),
@@ -286,6 +289,21 @@ mod tests {
             server_id("http://host:8000")
         );
         assert_ne!(server_id("http://a:1"), server_id("http://a:2"));
+    }
+
+    #[test]
+    fn a_backend_with_models_to_discover_is_no_candidate_before_its_first_check() {
+        let discovered = Backend::new(BackendSpec::new("http://a:1"), 10).unwrap();
+        assert!(!discovered.is_healthy());
+        assert!(
+            discovered.record_success(),
+            "the first good check admits it"
+        );
+        assert!(discovered.is_healthy());
+        let mut spec = BackendSpec::new("http://a:2");
+        spec.models = Some(vec!["m".into()]);
+        let configured = Backend::new(spec, 10).unwrap();
+        assert!(configured.is_healthy() && configured.serves("m").is_some());
     }
 
     #[test]

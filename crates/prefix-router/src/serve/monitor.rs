@@ -128,7 +128,7 @@ pub async fn check_backend(gw: &Arc<Gateway>, backend: &Arc<Backend>) {
         }
     }
     if backend.record_success() {
-        tracing::info!(backend = backend.url(), "backend is healthy again");
+        tracing::info!(backend = backend.url(), "backend is healthy");
     }
 }
 
