@@ -34,10 +34,10 @@ fds() { ls "/proc/$router_pid/fd" | wc -l; }
 finished() { local t=0 n; for s in "${sims[@]}"; do n=$(curl -s "$s/metrics" | awk '/^vllm:request_success_total/ {x += $2} END {print int(x)}'); t=$((t + n)); done; echo $t; }
 inflight() { curl -s "$router/metrics" | awk '/^prefix_router_inflight\{/ {x += $2} END {print int(x)}'; }
 fail() { echo "FAIL: $*" >&2; exit 1; }
-# check_after LABEL EXPECTED BASE IDLE_FDS: every request completed exactly once at the sims, nothing
-# left in flight, descriptors back to idle once pooled upstream connections expire.
+# check_after LABEL EXPECTED BASE: every request completed exactly once at the sims, nothing left
+# in flight, descriptors and RSS back to their idle values (idle_fds, idle_rss).
 check_after() {
-  local label=$1 expected=$2 base=$3 idle_fds=$4
+  local label=$1 expected=$2 base=$3
   local done_now; done_now=$(( $(finished) - base ))
   local left; left=$(inflight)
   local fd_now; fd_now=$(fds)
@@ -57,7 +57,7 @@ check_after() {
   echo "  $waited s later: RSS $(rss) (idle $idle_rss kB)"
   [ "$(rss_kb)" -le $((idle_rss + 16384)) ] || fail "$label: RSS $(rss) has not come back to within 16 MiB of idle"
 }
-run() {  # run LABEL ARGS...: prints the bench table and returns its results.json path
+run() {  # run LABEL ARGS...: one bench run; prints its summary, fails on any error
   local label=$1; shift
   local out="target/soak-$label"
   $bin bench run --url "$router" "${sim_args[@]}" --out "$out" "$@" >/dev/null
@@ -71,7 +71,7 @@ base=$(finished)
 echo "== 2,000 concurrent streaming clients (20,000 requests, 256-token prompts, 64 tokens each)"
 run concurrency --workload random --random-count 20000 --input-len 256 --output-len 64 --concurrency 2000
 sleep 2  # let idle client connections close
-check_after "2,000 concurrent" 20000 "$base" "$idle_fds"
+check_after "2,000 concurrent" 20000 "$base"
 fi
 [ "$phases" = concurrency ] && exit 0
 
@@ -81,5 +81,5 @@ run soak-10k --workload random --random-count 10000 --input-len 256 --output-len
 echo "after 10,000: RSS $(rss), fds $(fds)"
 run soak-90k --workload random --random-count 90000 --input-len 256 --output-len 16 --concurrency 200 --seed 3
 sleep 2
-check_after "100,000" 100000 "$base" "$idle_fds"
+check_after "100,000" 100000 "$base"
 echo "soak passed"

@@ -10,9 +10,6 @@ use async_trait::async_trait;
 use axum::http::{header, Method, Request, StatusCode};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use prefix_index::{
     NotifyOutcome, PrefixHasher, PrefixHashes, PrefixStore, QueryOutcome, ServerId, ServerInfo,
     StoreError, Tick,
@@ -23,7 +20,7 @@ pub struct IndexClient {
     base: String,
     /// `Bearer <key>` for an index that requires keys.
     authorization: Option<axum::http::HeaderValue>,
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: crate::serve::proxy::HttpClient,
     timeout: Duration,
 }
 
@@ -39,17 +36,11 @@ impl IndexClient {
             .map(|k| axum::http::HeaderValue::from_str(&format!("Bearer {k}")))
             .transpose()
             .map_err(|_| anyhow::anyhow!("the index key is not a valid header value"))?;
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(timeout));
         let client = Self {
             base: url.trim_end_matches('/').to_owned(),
             authorization,
-            // Reaped by the timer, and never reused near the index's own 10 s keep-alive limit.
-            client: Client::builder(TokioExecutor::new())
-                .pool_timer(TokioTimer::new())
-                .pool_idle_timeout(Duration::from_secs(4))
-                .build(connector),
+            // Its 4 s idle limit also stays below the index's own 10 s keep-alive.
+            client: crate::serve::proxy::client(timeout),
             timeout,
         };
         let answer = client

@@ -71,13 +71,13 @@ impl Server {
     }
 }
 
-/// vLLM's API-key check: `/v1` paths only, the same 401 body.
+/// vLLM's API-key check: `/v1` paths only, the same 401 body. `expected` is the whole header
+/// value, `Bearer <key>`, built once.
 async fn require_api_key(
-    key: Arc<str>,
+    expected: Arc<str>,
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let expected = format!("Bearer {key}");
     let given = req.headers().get(header::AUTHORIZATION);
     if req.uri().path().starts_with("/v1")
         && given.is_none_or(|v| v.as_bytes() != expected.as_bytes())
@@ -93,7 +93,8 @@ async fn require_api_key(
 
 /// The routes of one server.
 pub fn router(server: Server) -> Router {
-    let api_key: Option<Arc<str>> = server.engine.config.api_key.as_deref().map(Into::into);
+    let expected_authorization: Option<Arc<str>> =
+        (server.engine.config.api_key.as_deref()).map(|key| format!("Bearer {key}").into());
     let routes = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -121,9 +122,9 @@ pub fn router(server: Server) -> Router {
         // vLLM takes long prompts; the length check is the model's (max_model_len), not HTTP's.
         .layer(axum::extract::DefaultBodyLimit::max(256 << 20))
         .with_state(server);
-    match api_key {
-        Some(key) => routes.layer(axum::middleware::from_fn(move |req, next| {
-            require_api_key(key.clone(), req, next)
+    match expected_authorization {
+        Some(expected) => routes.layer(axum::middleware::from_fn(move |req, next| {
+            require_api_key(expected.clone(), req, next)
         })),
         None => routes,
     }

@@ -6,7 +6,7 @@ pub mod discovery;
 mod metrics;
 pub mod monitor;
 pub mod policy;
-mod proxy;
+pub(crate) mod proxy;
 pub mod request_string;
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};

@@ -24,7 +24,7 @@ use super::backend::{Backend, InflightGuard};
 
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
-/// A pooled HTTP/1.1 client for the backends.
+/// The pooled HTTP/1.1 client for the backends and for a remote index.
 pub fn client(connect_timeout: Duration) -> HttpClient {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
