@@ -84,7 +84,7 @@ pub struct CompareArgs {
     pub sim_url: Vec<String>,
     /// Flags for the started sims, as for `prefix-router sim`. The default makes one server's
     /// cache too small for all shared-prefix prefixes while the fleet's holds them.
-    #[arg(long, default_value = "--kv-blocks 3000")]
+    #[arg(long, default_value = "--kv-blocks 3000", allow_hyphen_values = true)]
     pub sim_args: String,
     /// Comma-separated systems (default: all).
     #[arg(long, value_delimiter = ',')]
@@ -553,4 +553,27 @@ pub async fn demo(router_exe: &Path, out: PathBuf) -> anyhow::Result<Vec<SystemR
          160 chat requests at 40/s, first round robin, then prefix_load.\n"
     );
     compare(args, router_exe.to_path_buf()).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Words {
+        #[command(flatten)]
+        compare: CompareArgs,
+    }
+
+    #[test]
+    fn sim_args_take_flags_as_a_separate_word() {
+        for argv in [
+            ["bench", "--sim-args", "--kv-blocks 2000"],
+            ["bench", "--sim-args=--kv-blocks 2000", "--seed=1"],
+        ] {
+            let args = Words::try_parse_from(argv).unwrap().compare;
+            assert_eq!(fleet::sim_config(&args.sim_args).unwrap().kv_blocks, 2000);
+        }
+    }
 }

@@ -10,11 +10,15 @@
 //!
 //! One process owns a database file (a second one is refused while the first holds it); to
 //! share state between processes, use the PostgreSQL store.
+//!
+//! Writes run on a thread of their own, in order: a commit, and the occasional snapshot that
+//! rewrites the whole index, never block an async worker (the caller awaits the answer), and
+//! queries read the memory store without waiting for either.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use async_trait::async_trait;
-use parking_lot::Mutex;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
 use crate::sql::{self, APPLICATION, SCHEMA_VERSION};
@@ -65,14 +69,31 @@ fn db_error(e: rusqlite::Error) -> StoreError {
 struct Journal {
     conn: Connection,
     rows: u64,
+    /// Rows after which the state is written as a snapshot.
+    compact_after: u64,
 }
+
+/// One change for the writer thread: it appends the journal row, applies the change to memory
+/// and answers.
+type Job = Box<dyn FnOnce(&mut Journal, &MemoryStore) + Send>;
 
 /// The SQLite-backed prefix store.
 pub struct SqliteStore {
-    memory: MemoryStore,
-    /// Held across journal append and memory apply, so both see changes in the same order.
-    journal: Mutex<Journal>,
+    memory: Arc<MemoryStore>,
+    /// To the writer thread, which owns the connection: journal order is memory order.
+    writer: Option<std::sync::mpsc::Sender<Job>>,
+    /// Joined on drop, so the file is free again (for a reopen) once the store is gone.
+    thread: Option<std::thread::JoinHandle<()>>,
     path: PathBuf,
+}
+
+impl Drop for SqliteStore {
+    fn drop(&mut self) {
+        self.writer.take();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 fn blob(hashes: &PrefixHashes) -> Vec<u8> {
@@ -96,7 +117,16 @@ impl SqliteStore {
     /// Opens (creating if needed) the database at `path`: checks or creates its schema, loads
     /// the snapshot and replays the journal.
     pub fn open(path: &Path, config: StoreConfig) -> Result<Self, StoreError> {
-        Self::open_inner(path, config).map_err(|e| match e {
+        Self::open_compacting_after(path, config, COMPACT_AFTER)
+    }
+
+    /// [`SqliteStore::open`], writing a snapshot every `compact_after` journal rows.
+    pub fn open_compacting_after(
+        path: &Path,
+        config: StoreConfig,
+        compact_after: u64,
+    ) -> Result<Self, StoreError> {
+        Self::open_inner(path, config, compact_after.max(1)).map_err(|e| match e {
             StoreError::Unavailable(m) if m.contains("database is locked") || m.contains("busy") => {
                 StoreError::Unavailable(format!(
                     "{} is in use by another process (one process owns a SQLite store; share state through PostgreSQL)",
@@ -107,7 +137,11 @@ impl SqliteStore {
         })
     }
 
-    fn open_inner(path: &Path, config: StoreConfig) -> Result<Self, StoreError> {
+    fn open_inner(
+        path: &Path,
+        config: StoreConfig,
+        compact_after: u64,
+    ) -> Result<Self, StoreError> {
         config.validate()?;
         let mut conn = Connection::open(path).map_err(|e| {
             StoreError::Unavailable(format!(
@@ -127,88 +161,129 @@ impl SqliteStore {
         conn.pragma_update(None, "locking_mode", "EXCLUSIVE")
             .map_err(db_error)?;
         migrate(&mut conn, path)?;
-        let memory = MemoryStore::new(config)?;
+        let memory = Arc::new(MemoryStore::new(config)?);
         let rows = load(&conn, &memory)?;
-        let store = Self {
-            memory,
-            journal: Mutex::new(Journal { conn, rows }),
-            path: path.to_owned(),
+        let mut journal = Journal {
+            conn,
+            rows,
+            compact_after,
         };
         if rows > 0 {
-            store.compact(&mut store.journal.lock())?;
+            compact(&mut journal, &memory)?;
         }
-        Ok(store)
+        let (writer, jobs) = std::sync::mpsc::channel::<Job>();
+        let state = memory.clone();
+        let thread = std::thread::Builder::new()
+            .name("sqlite-writer".into())
+            .spawn(move || {
+                // Ends when the store (the only sender) is dropped.
+                for job in jobs {
+                    job(&mut journal, &state);
+                }
+            })
+            .map_err(|e| StoreError::Unavailable(format!("cannot start the SQLite writer: {e}")))?;
+        Ok(Self {
+            memory,
+            writer: Some(writer),
+            thread: Some(thread),
+            path: path.to_owned(),
+        })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// Appends one change to the journal (committed), then applies it to memory.
-    fn record<T>(
+    /// Appends one change to the journal (committed), then applies it to memory, on the
+    /// writer thread; resolves when both are done.
+    async fn record<T: Send + 'static>(
         &self,
         op: Op,
         server: ServerId,
         t: i64,
         arg: i64,
         hashes: Option<&PrefixHashes>,
-        apply: impl FnOnce(&MemoryStore) -> Result<T, StoreError>,
+        apply: impl FnOnce(&MemoryStore) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
-        let mut journal = self.journal.lock();
-        journal
-            .conn
-            .prepare_cached(
-                "INSERT INTO prefix_router_journal (op, server_id, t, arg, hashes) VALUES (?1, ?2, ?3, ?4, ?5)",
-            )
-            .and_then(|mut s| {
-                s.execute(params![op as i64, sql::encode(server), t, arg, hashes.map(blob)])
-            })
-            .map_err(db_error)?;
-        journal.rows += 1;
-        let result = apply(&self.memory)?;
-        if journal.rows >= COMPACT_AFTER {
-            self.compact(&mut journal)?;
-        }
-        Ok(result)
-    }
-
-    /// Writes the whole state as the new snapshot and empties the journal, in one transaction.
-    fn compact(&self, journal: &mut Journal) -> Result<(), StoreError> {
-        let state = self.memory.export();
-        let tx = journal
-            .conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(db_error)?;
-        tx.execute_batch(
-            "DELETE FROM prefix_router_snapshot_entries; DELETE FROM prefix_router_snapshot_servers;
-             DELETE FROM prefix_router_journal;",
-        )
-        .map_err(db_error)?;
-        {
-            let mut server_row = tx
-                .prepare("INSERT INTO prefix_router_snapshot_servers (server_id, capacity) VALUES (?1, ?2)")
-                .map_err(db_error)?;
-            let mut entry_row = tx
-                .prepare(
-                    "INSERT INTO prefix_router_snapshot_entries (server_id, hash, depth, last_used) VALUES (?1, ?2, ?3, ?4)",
-                )
-                .map_err(db_error)?;
-            for (server, capacity, entries) in &state {
-                let server = sql::encode(*server);
-                server_row
-                    .execute(params![server, *capacity as i64])
-                    .map_err(db_error)?;
-                for &(hash, depth, t) in entries {
-                    entry_row
-                        .execute(params![server, sql::encode(hash), depth, t.millis() as i64])
-                        .map_err(db_error)?;
+        let hashes = hashes.map(blob);
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        let job: Job = Box::new(move |journal, memory| {
+            let _ = answer.send(append(journal, op, server, t, arg, hashes).and_then(|()| {
+                let result = apply(memory)?;
+                if journal.rows >= journal.compact_after {
+                    compact(journal, memory)?;
                 }
+                Ok(result)
+            }));
+        });
+        let gone = || StoreError::Unavailable("sqlite: the writer thread has stopped".into());
+        self.writer
+            .as_ref()
+            .ok_or_else(gone)?
+            .send(job)
+            .map_err(|_| gone())?;
+        answered.await.map_err(|_| gone())?
+    }
+}
+
+/// Appends one row to the journal (committed when this returns).
+fn append(
+    journal: &mut Journal,
+    op: Op,
+    server: ServerId,
+    t: i64,
+    arg: i64,
+    hashes: Option<Vec<u8>>,
+) -> Result<(), StoreError> {
+    journal
+        .conn
+        .prepare_cached(
+            "INSERT INTO prefix_router_journal (op, server_id, t, arg, hashes) VALUES (?1, ?2, ?3, ?4, ?5)",
+        )
+        .and_then(|mut s| s.execute(params![op as i64, sql::encode(server), t, arg, hashes]))
+        .map_err(db_error)?;
+    journal.rows += 1;
+    Ok(())
+}
+
+/// Writes the whole state as the new snapshot and empties the journal, in one transaction.
+fn compact(journal: &mut Journal, memory: &MemoryStore) -> Result<(), StoreError> {
+    let state = memory.export();
+    let tx = journal
+        .conn
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .map_err(db_error)?;
+    tx.execute_batch(
+        "DELETE FROM prefix_router_snapshot_entries; DELETE FROM prefix_router_snapshot_servers;
+         DELETE FROM prefix_router_journal;",
+    )
+    .map_err(db_error)?;
+    {
+        let mut server_row = tx
+            .prepare(
+                "INSERT INTO prefix_router_snapshot_servers (server_id, capacity) VALUES (?1, ?2)",
+            )
+            .map_err(db_error)?;
+        let mut entry_row = tx
+            .prepare(
+                "INSERT INTO prefix_router_snapshot_entries (server_id, hash, depth, last_used) VALUES (?1, ?2, ?3, ?4)",
+            )
+            .map_err(db_error)?;
+        for (server, capacity, entries) in &state {
+            let server = sql::encode(*server);
+            server_row
+                .execute(params![server, *capacity as i64])
+                .map_err(db_error)?;
+            for &(hash, depth, t) in entries {
+                entry_row
+                    .execute(params![server, sql::encode(hash), depth, t.millis() as i64])
+                    .map_err(db_error)?;
             }
         }
-        tx.commit().map_err(db_error)?;
-        journal.rows = 0;
-        Ok(())
     }
+    tx.commit().map_err(db_error)?;
+    journal.rows = 0;
+    Ok(())
 }
 
 /// Loads the snapshot into `memory` and replays the journal; returns the journal's length.
@@ -351,14 +426,16 @@ impl PrefixStore for SqliteStore {
         server: ServerId,
         t: Tick,
     ) -> Result<NotifyOutcome, StoreError> {
+        let owned = hashes.clone();
         self.record(
             Op::Notify,
             server,
             t.millis() as i64,
             0,
             Some(hashes),
-            |m| m.notify_now(hashes, server, t),
+            move |m| m.notify_now(&owned, server, t),
         )
+        .await
     }
 
     async fn query(
@@ -372,16 +449,23 @@ impl PrefixStore for SqliteStore {
     }
 
     async fn drop_server(&self, server: ServerId) -> Result<u64, StoreError> {
-        self.record(Op::Drop, server, 0, 0, None, |m| {
+        self.record(Op::Drop, server, 0, 0, None, move |m| {
             Ok(m.drop_server_now(server))
         })
+        .await
     }
 
     async fn set_capacity(&self, server: ServerId, capacity: u64) -> Result<u64, StoreError> {
         check_capacity(capacity)?;
-        self.record(Op::SetCapacity, server, 0, capacity as i64, None, |m| {
-            m.set_capacity_now(server, capacity)
-        })
+        self.record(
+            Op::SetCapacity,
+            server,
+            0,
+            capacity as i64,
+            None,
+            move |m| m.set_capacity_now(server, capacity),
+        )
+        .await
     }
 
     async fn servers(&self) -> Result<Vec<ServerInfo>, StoreError> {
@@ -389,9 +473,10 @@ impl PrefixStore for SqliteStore {
     }
 
     async fn purge_expired(&self, now: Tick) -> Result<u64, StoreError> {
-        self.record(Op::Purge, 0, now.millis() as i64, 0, None, |m| {
+        self.record(Op::Purge, 0, now.millis() as i64, 0, None, move |m| {
             Ok(m.purge_expired_now(now))
         })
+        .await
     }
 
     fn kind(&self) -> &'static str {

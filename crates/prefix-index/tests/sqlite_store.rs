@@ -102,3 +102,51 @@ fn foreign_and_newer_schemas_are_refused() {
     let err = SqliteStore::open(&path, config).err().unwrap();
     assert!(err.to_string().contains("newer"), "{err}");
 }
+
+/// Writing a snapshot (here of 128k entries) happens on the store's writer thread: the task
+/// whose notify triggered it waits without holding its async worker, so on a one-thread runtime
+/// a query answers while the snapshot is still being written. (Before, the snapshot ran inside
+/// the notify's poll and the query could only run once it was done.)
+#[test]
+fn a_snapshot_does_not_stall_the_async_worker() {
+    conformance::runtime().block_on(async {
+        let path = temp_db();
+        let rows = 2_001;
+        let store = std::sync::Arc::new(
+            SqliteStore::open_compacting_after(&path, conformance::config(1 << 20, None), rows)
+                .unwrap(),
+        );
+        let text = |i: u64| format!("{i:08}").repeat(16);
+        for i in 0..rows - 1 {
+            store.notify(&h(&text(i)), i % 4, t(i)).await.unwrap();
+        }
+        let entries: u64 = store
+            .servers()
+            .await
+            .unwrap()
+            .iter()
+            .map(|s| s.entries)
+            .sum();
+        assert!(entries >= 100_000, "{entries}");
+        // This notify is the journal's last row before the snapshot.
+        let writing = tokio::spawn({
+            let store = store.clone();
+            async move { store.notify(&h(&text(rows)), 0, t(rows)).await }
+        });
+        tokio::task::yield_now().await;
+        let q = store
+            .query(&h(&text(7)), &[0, 1, 2, 3], t(rows))
+            .await
+            .unwrap();
+        assert_eq!((q.best, q.matched), (3, 64));
+        assert!(
+            !writing.is_finished(),
+            "the query answered while the snapshot was being written"
+        );
+        writing.await.unwrap().unwrap();
+        drop(store);
+        let reopened = SqliteStore::open(&path, conformance::config(1 << 20, None)).unwrap();
+        let q = reopened.query(&h(&text(7)), &[3], t(rows)).await.unwrap();
+        assert_eq!(q.matched, q.total, "the snapshot holds the state");
+    });
+}

@@ -3,6 +3,7 @@
 use std::time::Instant;
 
 use axum::extract::{MatchedPath, Request, State};
+use axum::http::Method;
 use axum::middleware::Next;
 use axum::response::Response;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -86,7 +87,18 @@ pub async fn track(State(metrics): State<HttpMetrics>, req: Request, next: Next)
         .extensions()
         .get::<MatchedPath>()
         .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
-    let method = req.method().clone();
+    // Methods are client-chosen tokens: any but the standard ones share one label, so they
+    // cannot grow the series without bound.
+    let method = match *req.method() {
+        Method::GET
+        | Method::POST
+        | Method::PUT
+        | Method::DELETE
+        | Method::HEAD
+        | Method::OPTIONS
+        | Method::PATCH => req.method().as_str().to_owned(),
+        _ => "OTHER".to_owned(),
+    };
     let start = Instant::now();
     let response = next.run(req).await;
     metrics.record(

@@ -25,9 +25,13 @@ pub async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
         ));
     }
     axum::body::to_bytes(body, limit).await.map_err(|e| {
-        let too_big = std::error::Error::source(&e)
-            .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
-        if too_big {
+        let too_big = caused_by::<http_body_util::LengthLimitError>(&e);
+        if caused_by::<crate::server::BodyTimedOut>(&e) {
+            ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "the request body did not arrive in time",
+            )
+        } else if too_big {
             ApiError::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 format!("request body exceeds the limit of {limit} bytes"),
@@ -36,6 +40,18 @@ pub async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
             ApiError::bad_request(format!("could not read the request body: {e}"))
         }
     })
+}
+
+/// Whether `E` is somewhere in the error's chain of causes.
+fn caused_by<E: std::error::Error + 'static>(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(c) = cause {
+        if c.is::<E>() {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
 }
 
 /// Parses a JSON body into `T`, mapping every failure to a clear 400.

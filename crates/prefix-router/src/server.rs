@@ -2,6 +2,7 @@
 //! clients cannot pin connections, heads are bounded, requests in flight are capped), until a
 //! signal or a shutdown request.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -30,14 +31,18 @@ use crate::api_error::ApiError;
 pub struct ServerLimits {
     /// Longest wait for a request's headers, also between keep-alive requests: a client that
     /// sends nothing (or too slowly) loses the connection.
-    #[arg(long, env = "PREFIX_ROUTER_HEADER_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "PREFIX_ROUTER_HEADER_TIMEOUT", default_value = "10s", value_parser = crate::cli::duration)]
     pub header_timeout: Duration,
     /// Largest request head (request line and headers), in bytes; larger gets 431.
     #[arg(long, env = "PREFIX_ROUTER_MAX_HEADER_BYTES", default_value_t = 64 * 1024)]
     pub max_header_bytes: usize,
-    /// Requests handled at once; more get 429 with Retry-After.
+    /// Requests handled at once (health and metrics excepted); more get 429 with Retry-After.
     #[arg(long, env = "PREFIX_ROUTER_MAX_CONCURRENT", default_value_t = 4096)]
     pub max_concurrent: usize,
+    /// Longest time to receive a request's body once its headers are in; a slower client gets
+    /// 408 (a client that sends headers and then stalls holds nothing for long).
+    #[arg(long, env = "PREFIX_ROUTER_BODY_TIMEOUT", default_value = "30s", value_parser = crate::cli::duration)]
+    pub body_timeout: Duration,
 }
 
 impl Default for ServerLimits {
@@ -46,6 +51,7 @@ impl Default for ServerLimits {
             header_timeout: Duration::from_secs(10),
             max_header_bytes: 64 * 1024,
             max_concurrent: 4096,
+            body_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -115,30 +121,101 @@ impl HttpBody for PermitBody {
 }
 
 /// Caps the requests in flight (streams count until their last byte): beyond the cap, 429.
-fn limit_concurrency(app: Router, max: usize) -> Router {
-    let permits = Arc::new(Semaphore::new(max.max(1)));
+///
+/// Applied by each app to the routes that do work (`route_layer`), not to its health and
+/// metrics: a liveness probe must answer on a busy server, or the kubelet restarts it.
+#[derive(Clone)]
+pub struct ConcurrencyLimit {
+    permits: Arc<Semaphore>,
+}
+
+impl ConcurrencyLimit {
+    pub fn new(max: usize) -> Self {
+        Self {
+            permits: Arc::new(Semaphore::new(max.max(1))),
+        }
+    }
+
+    /// The middleware: `router.route_layer(axum::middleware::from_fn(move |req, next|
+    /// limit.clone().admit(req, next)))`.
+    pub async fn admit(
+        self,
+        req: Request,
+        next: axum::middleware::Next,
+    ) -> axum::response::Response {
+        let Ok(permit) = self.permits.try_acquire_owned() else {
+            let mut resp = ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too many requests in flight; retry shortly",
+            )
+            .into_response();
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            return resp;
+        };
+        let resp = next.run(req).await;
+        resp.map(|inner| {
+            Body::new(PermitBody {
+                inner,
+                _permit: permit,
+            })
+        })
+    }
+}
+
+/// The error a request body gives once `--body-timeout` has passed (see
+/// [`crate::json_body::read_body`], which answers it with 408).
+#[derive(Debug, thiserror::Error)]
+#[error("the request body did not arrive within the body timeout")]
+pub struct BodyTimedOut;
+
+/// A request body that fails with [`BodyTimedOut`] when it has not all arrived in time.
+struct DeadlineBody {
+    inner: Body,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl HttpBody for DeadlineBody {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<bytes::Bytes>, Self::Error>>> {
+        match Pin::new(&mut self.inner).poll_frame(cx) {
+            Poll::Pending => match self.deadline.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Some(Err(axum::Error::new(BodyTimedOut)))),
+                Poll::Pending => Poll::Pending,
+            },
+            ready => ready,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Gives every request body a deadline of `timeout` from now (its head has just arrived).
+fn limit_body_time(app: Router, timeout: Duration) -> Router {
     app.layer(axum::middleware::from_fn(
         move |req: Request, next: axum::middleware::Next| {
-            let permits = permits.clone();
-            async move {
-                let Ok(permit) = permits.try_acquire_owned() else {
-                    let mut resp = ApiError::new(
-                        StatusCode::TOO_MANY_REQUESTS,
-                        "too many requests in flight; retry shortly",
-                    )
-                    .into_response();
-                    resp.headers_mut()
-                        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-                    return resp;
-                };
-                let resp = next.run(req).await;
-                resp.map(|inner| {
-                    Body::new(PermitBody {
+            let req = if http_body::Body::is_end_stream(req.body()) {
+                req
+            } else {
+                req.map(|inner| {
+                    Body::new(DeadlineBody {
                         inner,
-                        _permit: permit,
+                        deadline: Box::pin(tokio::time::sleep(timeout)),
                     })
                 })
-            }
+            };
+            next.run(req)
         },
     ))
 }
@@ -150,7 +227,7 @@ async fn serve(
     limits: ServerLimits,
     stop: impl std::future::Future<Output = ()>,
 ) {
-    let app = limit_concurrency(app, limits.max_concurrent);
+    let app = limit_body_time(app, limits.body_timeout);
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()

@@ -19,6 +19,7 @@ use crate::access::{self, Keys, Need};
 use crate::api_error::{self, ApiError};
 use crate::http_metrics;
 use crate::json_body::{BodyLimit, JsonBody};
+use crate::server::ConcurrencyLimit;
 
 /// What every handler shares.
 #[derive(Clone)]
@@ -30,6 +31,7 @@ pub struct IndexState {
     /// The latest `t` (ms) any notify brought: the store's notion of now for purging.
     clock: Arc<AtomicU64>,
     keys: Keys,
+    concurrency: ConcurrencyLimit,
 }
 
 impl IndexState {
@@ -41,7 +43,14 @@ impl IndexState {
             max_body,
             clock: Arc::default(),
             keys: Keys::default(),
+            concurrency: ConcurrencyLimit::new(4096),
         }
+    }
+
+    /// Caps the requests handled at once (all but health and metrics).
+    pub fn with_max_concurrent(mut self, max: usize) -> Self {
+        self.concurrency = ConcurrencyLimit::new(max);
+        self
     }
 
     /// Requires API and admin keys (see [`crate::access`]).
@@ -293,6 +302,7 @@ pub fn app(state: IndexState) -> Router {
     let http = state.metrics.http.clone();
     let max_body = state.max_body;
     let keys = state.keys.clone();
+    let limit = state.concurrency.clone();
     Router::new()
         .route("/v1/notify", post(notify))
         .route("/v1/query", post(query))
@@ -300,6 +310,9 @@ pub fn app(state: IndexState) -> Router {
         .route("/v1/servers/{id}", put(set_capacity).delete(drop_server))
         .route("/v1/compatibility", post(compatibility))
         .route("/v1/purge", post(purge))
+        .route_layer(middleware::from_fn(move |req, next| {
+            limit.clone().admit(req, next)
+        }))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .method_not_allowed_fallback(api_error::wrong_method)

@@ -24,7 +24,7 @@ pub struct IndexArgs {
     #[command(flatten)]
     pub store: StoreArgs,
     /// How often expired entries (see `--ttl`) are purged; 0s never (they stay invisible).
-    #[arg(long, env = "PREFIX_ROUTER_PURGE_INTERVAL", default_value = "10s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "PREFIX_ROUTER_PURGE_INTERVAL", default_value = "10s", value_parser = crate::cli::duration)]
     pub purge_interval: Duration,
     #[command(flatten)]
     pub access: crate::access::AccessArgs,
@@ -53,7 +53,8 @@ impl IndexArgs {
 async fn state(args: &IndexArgs) -> anyhow::Result<IndexState> {
     let store = args.store.open().await?;
     let state = IndexState::new(store.clone(), args.store.hasher()?, args.max_body)
-        .with_keys(args.access.keys()?);
+        .with_keys(args.access.keys()?)
+        .with_max_concurrent(args.limits.max_concurrent);
     if args.store.config()?.ttl_ms.is_some() && !args.purge_interval.is_zero() {
         spawn_purger(store, args.purge_interval, state.clock());
     }

@@ -58,11 +58,18 @@ pub fn server_id(url: &str) -> ServerId {
 }
 
 /// A backend and what the router knows of it now.
+///
+/// One `Backend` lives as long as its URL is configured: a change of its settings (weight,
+/// models, capacity, key) updates it in place, so the live state — in-flight counts held by
+/// running requests, health, discovered models — carries over.
 pub struct Backend {
-    pub spec: BackendSpec,
+    /// The URL as a shared label value (also what [`Backend::url`] returns).
+    pub label: Arc<str>,
     pub id: ServerId,
     pub base: Uri,
-    pub authorization: Option<HeaderValue>,
+    spec: ArcSwap<BackendSpec>,
+    authorization: ArcSwap<Option<HeaderValue>>,
+    weight: AtomicU32,
     /// Models served (static, or last discovered).
     pub models: ArcSwap<Vec<Arc<str>>>,
     healthy: AtomicBool,
@@ -79,14 +86,28 @@ pub struct Backend {
     pub kv_usage_bits: AtomicU64,
     /// Index entries held for this backend, as this router's notifies count them.
     pub entries: AtomicU64,
-    /// Index capacity in chunks.
+    /// Index capacity in chunks (configured, or derived from the backend's KV cache).
     pub capacity: AtomicU64,
     /// Requests routed here (for the requests-per-second gauge).
     pub routed: AtomicU64,
     /// Requests per second over the last metrics interval, as f64 bits.
     pub qps_bits: AtomicU64,
-    /// The URL as a shared label value.
-    pub label: Arc<str>,
+}
+
+fn authorization(spec: &BackendSpec) -> anyhow::Result<Option<HeaderValue>> {
+    spec.api_key
+        .as_ref()
+        .map(|k| HeaderValue::from_str(&format!("Bearer {k}")))
+        .transpose()
+        .map_err(|_| anyhow::anyhow!("backend {:?}: the API key is not a valid header", spec.url))
+}
+
+fn configured_models(spec: &BackendSpec) -> Vec<Arc<str>> {
+    spec.models
+        .iter()
+        .flatten()
+        .map(|m| Arc::from(m.as_str()))
+        .collect()
 }
 
 impl Backend {
@@ -100,26 +121,13 @@ impl Backend {
             "backend {:?}: only http:// backends are supported",
             spec.url
         );
-        let authorization = spec
-            .api_key
-            .as_ref()
-            .map(|k| HeaderValue::from_str(&format!("Bearer {k}")))
-            .transpose()
-            .map_err(|_| {
-                anyhow::anyhow!("backend {:?}: the API key is not a valid header", spec.url)
-            })?;
-        let models: Vec<Arc<str>> = spec
-            .models
-            .iter()
-            .flatten()
-            .map(|m| Arc::from(m.as_str()))
-            .collect();
         Ok(Self {
             id: server_id(&spec.url),
             capacity: AtomicU64::new(spec.capacity.unwrap_or(default_capacity)),
             base,
-            authorization,
-            models: ArcSwap::from_pointee(models),
+            authorization: ArcSwap::from_pointee(authorization(&spec)?),
+            weight: AtomicU32::new(spec.weight.max(1)),
+            models: ArcSwap::from_pointee(configured_models(&spec)),
             // With configured models, optimistic until the first health check says otherwise.
             // Models still to be discovered: not a candidate (nor counted healthy) before the
             // first check has read them, or a request arriving meanwhile would find no backend
@@ -136,12 +144,44 @@ impl Backend {
             routed: AtomicU64::new(0),
             qps_bits: AtomicU64::new(0),
             label: spec.url.as_str().into(),
-            spec,
+            spec: ArcSwap::from_pointee(spec),
         })
     }
 
+    /// Applies changed settings of the same URL, keeping the live state. Configured models
+    /// replace the known ones at once; a configured capacity is the caller's to send to the
+    /// store.
+    pub fn update(&self, spec: BackendSpec) -> anyhow::Result<()> {
+        debug_assert_eq!(spec.url, *self.label);
+        self.authorization.store(Arc::new(authorization(&spec)?));
+        self.weight.store(spec.weight.max(1), Relaxed);
+        if spec.models.is_some() {
+            self.models.store(Arc::new(configured_models(&spec)));
+        }
+        if let Some(capacity) = spec.capacity {
+            self.capacity.store(capacity, Relaxed);
+        }
+        self.spec.store(Arc::new(spec));
+        Ok(())
+    }
+
+    /// The settings now.
+    pub fn spec(&self) -> Arc<BackendSpec> {
+        self.spec.load_full()
+    }
+
+    /// Relative capacity (at least 1): load is compared per unit of weight.
+    pub fn weight(&self) -> u64 {
+        u64::from(self.weight.load(Relaxed))
+    }
+
+    /// `Authorization` to send upstream, if a key is configured.
+    pub fn authorization(&self) -> Option<HeaderValue> {
+        self.authorization.load().as_ref().clone()
+    }
+
     pub fn url(&self) -> &str {
-        &self.spec.url
+        &self.label
     }
 
     pub fn is_healthy(&self) -> bool {
@@ -230,6 +270,8 @@ pub struct Fleet {
 pub struct FleetChange {
     pub added: Vec<Arc<Backend>>,
     pub removed: Vec<Arc<Backend>>,
+    /// Same URL, other settings: updated in place.
+    pub updated: Vec<Arc<Backend>>,
 }
 
 impl Fleet {
@@ -241,7 +283,8 @@ impl Fleet {
         self.backends.load_full()
     }
 
-    /// Makes the fleet exactly `specs`: backends with an unchanged spec keep their state.
+    /// Makes the fleet exactly `specs`. A backend keeps its state for as long as its URL is
+    /// listed, whatever else of its settings changes.
     pub fn reconcile(
         &self,
         specs: &[BackendSpec],
@@ -251,11 +294,17 @@ impl Fleet {
         let mut next = Vec::with_capacity(specs.len());
         let mut change = FleetChange::default();
         for spec in specs {
-            if next.iter().any(|b: &Arc<Backend>| b.spec.url == spec.url) {
+            if next.iter().any(|b: &Arc<Backend>| *b.label == *spec.url) {
                 continue; // listed twice
             }
-            match current.iter().find(|b| b.spec == *spec) {
-                Some(existing) => next.push(existing.clone()),
+            match current.iter().find(|b| *b.label == *spec.url) {
+                Some(existing) => {
+                    if *existing.spec() != *spec {
+                        existing.update(spec.clone())?;
+                        change.updated.push(existing.clone());
+                    }
+                    next.push(existing.clone());
+                }
                 None => {
                     let backend = Arc::new(Backend::new(spec.clone(), default_capacity)?);
                     change.added.push(backend.clone());
@@ -263,10 +312,8 @@ impl Fleet {
                 }
             }
         }
-        // A backend whose settings changed is replaced under the same URL (and id): it did
-        // not leave, so it is not reported as removed.
         for old in current.iter() {
-            if !next.iter().any(|b| b.spec.url == old.spec.url) {
+            if !next.iter().any(|b| b.label == old.label) {
                 change.removed.push(old.clone());
             }
         }
@@ -339,5 +386,37 @@ mod tests {
         assert_eq!((change.added.len(), change.removed.len()), (0, 1));
         assert_eq!(fleet.all()[0].inflight.load(Relaxed), 3);
         assert!(Backend::new(BackendSpec::new("https://x"), 1).is_err());
+    }
+
+    #[test]
+    fn a_settings_change_keeps_the_live_state() {
+        let fleet = Fleet::default();
+        let mut spec = BackendSpec::new("http://a:1");
+        spec.models = Some(vec!["m".into()]);
+        fleet.reconcile(std::slice::from_ref(&spec), 10).unwrap();
+        let before = fleet.all()[0].clone();
+        let running = InflightGuard::new(before.clone());
+        spec.weight = 4;
+        spec.capacity = Some(77);
+        let change = fleet.reconcile(std::slice::from_ref(&spec), 10).unwrap();
+        assert_eq!(
+            (
+                change.added.len(),
+                change.removed.len(),
+                change.updated.len()
+            ),
+            (0, 0, 1)
+        );
+        let after = fleet.all()[0].clone();
+        assert!(Arc::ptr_eq(&before, &after), "the same backend, updated");
+        assert_eq!(
+            after.inflight.load(Relaxed),
+            1,
+            "the running request still counts"
+        );
+        assert!(after.is_healthy() && after.serves("m").is_some());
+        assert_eq!((after.weight(), after.capacity.load(Relaxed)), (4, 77));
+        drop(running);
+        assert_eq!(after.inflight.load(Relaxed), 0);
     }
 }

@@ -63,26 +63,26 @@ pub struct ServeArgs {
     #[arg(long, env = "PREFIX_ROUTER_INDEX_URL")]
     pub index_url: Option<String>,
     /// Longest wait for the prefix store on a request before routing by load.
-    #[arg(long, env = "PREFIX_ROUTER_STORE_TIMEOUT", default_value = "50ms", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "PREFIX_ROUTER_STORE_TIMEOUT", default_value = "50ms", value_parser = crate::cli::duration)]
     pub store_timeout: Duration,
     /// Interval of the health checks (`GET /health`).
-    #[arg(long, env = "PREFIX_ROUTER_HEALTH_INTERVAL", default_value = "5s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "PREFIX_ROUTER_HEALTH_INTERVAL", default_value = "5s", value_parser = crate::cli::duration)]
     pub health_interval: Duration,
     /// Failed checks (or connection failures) before a backend leaves the candidates.
     #[arg(long, env = "PREFIX_ROUTER_UNHEALTHY_AFTER", default_value_t = 2)]
     pub unhealthy_after: u32,
     /// Interval of the load scrapes (`GET /metrics`).
-    #[arg(long, env = "PREFIX_ROUTER_METRICS_INTERVAL", default_value = "1s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "PREFIX_ROUTER_METRICS_INTERVAL", default_value = "1s", value_parser = crate::cli::duration)]
     pub metrics_interval: Duration,
     /// Retries on the next candidate after a connection error or a 5xx before any byte went
     /// to the client.
     #[arg(long, env = "PREFIX_ROUTER_MAX_RETRIES", default_value_t = 2)]
     pub max_retries: usize,
     /// Longest a request may take end to end (504 before the answer began).
-    #[arg(long, env = "PREFIX_ROUTER_REQUEST_TIMEOUT", default_value = "600s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "PREFIX_ROUTER_REQUEST_TIMEOUT", default_value = "600s", value_parser = crate::cli::duration)]
     pub request_timeout: Duration,
     /// Longest wait for a TCP connection to a backend.
-    #[arg(long, env = "PREFIX_ROUTER_CONNECT_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "PREFIX_ROUTER_CONNECT_TIMEOUT", default_value = "2s", value_parser = crate::cli::duration)]
     pub connect_timeout: Duration,
     /// Bearer token sent to every backend (a backend's own `api-key` in the config wins).
     #[arg(long, env = "PREFIX_ROUTER_BACKEND_API_KEY", hide_env_values = true)]
@@ -90,9 +90,11 @@ pub struct ServeArgs {
     /// Largest accepted request body, in bytes.
     #[arg(long, env = "PREFIX_ROUTER_MAX_BODY", default_value_t = 32 << 20)]
     pub max_body: usize,
-    /// Longest wait for a backend's answer to begin (its status line) before the next
-    /// candidate is tried: a hung backend costs this much, not the whole request timeout.
-    #[arg(long, env = "PREFIX_ROUTER_UPSTREAM_TIMEOUT", default_value = "120s", value_parser = humantime::parse_duration)]
+    /// Streamed requests: longest wait for a backend's answer to begin (its status line)
+    /// before the next candidate is tried, so a hung backend costs this much, not the whole
+    /// request timeout. (A non-streamed answer begins only when generation ends: it is bounded
+    /// by --request-timeout alone.)
+    #[arg(long, env = "PREFIX_ROUTER_UPSTREAM_TIMEOUT", default_value = "120s", value_parser = crate::cli::duration)]
     pub upstream_timeout: Duration,
     /// Bearer token for the remote index (`--index-url`): its admin key when it has one.
     #[arg(long, env = "PREFIX_ROUTER_INDEX_KEY", hide_env_values = true)]
@@ -269,7 +271,15 @@ impl ServeArgs {
             .filter(|m| !m.is_empty())
             .collect();
         let mut specs: Vec<BackendSpec> = Vec::new();
-        for (i, url) in self.backends.iter().enumerate() {
+        // The file's `backend = [...]` is read here, not merged into the flags at start, so
+        // that a reload sees its edits (the environment ranks above the file, as for every key).
+        let mut urls = self.backends.clone();
+        if let Some(path) = &self.config {
+            if std::env::var_os("PREFIX_ROUTER_BACKENDS").is_none() {
+                urls.extend(file_backend_urls(path)?);
+            }
+        }
+        for (i, url) in urls.iter().enumerate() {
             let mut spec = BackendSpec::new(url);
             spec.api_key = self.backend_api_key.clone();
             spec.capacity = None;
@@ -302,6 +312,26 @@ fn read_table(path: &Path) -> anyhow::Result<toml::Table> {
         .with_context(|| format!("config file {} is not valid TOML", path.display()))
 }
 
+/// The top-level `backend = "URL"` or `backend = ["URL", ...]` of the config file.
+fn file_backend_urls(path: &Path) -> anyhow::Result<Vec<String>> {
+    let table = read_table(path)?;
+    let invalid = || {
+        anyhow::anyhow!(
+            "`backend` in {} must be a URL or a list of URLs",
+            path.display()
+        )
+    };
+    match table.get("backend") {
+        None => Ok(Vec::new()),
+        Some(toml::Value::String(url)) => Ok(vec![url.clone()]),
+        Some(toml::Value::Array(items)) => items
+            .iter()
+            .map(|v| v.as_str().map(str::to_owned).ok_or_else(invalid))
+            .collect(),
+        Some(_) => Err(invalid()),
+    }
+}
+
 fn file_backends(path: &Path) -> anyhow::Result<Vec<FileBackend>> {
     let table = read_table(path)?;
     match table.get("backends") {
@@ -323,15 +353,11 @@ fn file_flags(path: &Path) -> anyhow::Result<Vec<String>> {
         .collect();
     let mut argv = Vec::new();
     for (key, value) in table {
-        if key == "backends" {
+        // Backends are read by `backend_specs` (at start and at every reload).
+        if key == "backends" || key == "backend" {
             continue;
         }
         let flag = key.replace('_', "-");
-        let flag = if flag == "backend" {
-            "backend".to_owned()
-        } else {
-            flag
-        };
         if !known.contains(&flag) || flag == "config" {
             bail!("unknown setting {key:?} in config file {}", path.display());
         }
@@ -406,6 +432,20 @@ api-key = "k"
         assert_eq!(specs[1].models, Some(vec!["m".to_owned()]));
         assert_eq!(specs[1].capacity, Some(99));
         assert_eq!(specs[1].api_key.as_deref(), Some("k"));
+
+        // An edit of the top-level `backend` list is seen by the next read (a reload).
+        std::fs::write(
+            &path,
+            "policy = \"round_robin\"\nbackend = [\"http://a:1\", \"http://c:3\"]\n",
+        )
+        .unwrap();
+        let urls: Vec<String> = args
+            .backend_specs()
+            .unwrap()
+            .into_iter()
+            .map(|s| s.url)
+            .collect();
+        assert_eq!(urls, ["http://a:1", "http://c:3"]);
 
         std::fs::write(&path, "polcy = \"x\"\n").unwrap();
         let err = parse(&["--config", p]).unwrap_err();

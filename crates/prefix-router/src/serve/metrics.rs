@@ -19,9 +19,30 @@ pub struct Label(pub Arc<str>);
 
 impl EncodeLabelValue for Label {
     fn encode(&self, encoder: &mut LabelValueEncoder) -> std::fmt::Result {
-        std::fmt::Write::write_str(encoder, &self.0)
+        write_escaped(encoder, &self.0)
     }
 }
+
+/// Writes a label value escaped as the exposition formats require (`\\`, `\"`, `\n`):
+/// prometheus-client writes values as given, and one raw quote or newline from a client or a
+/// backend would make the whole scrape invalid (or forge a line).
+pub fn write_escaped(out: &mut impl std::fmt::Write, value: &str) -> std::fmt::Result {
+    let mut rest = value;
+    while let Some(i) = rest.find(['\\', '"', '\n']) {
+        out.write_str(&rest[..i])?;
+        out.write_str(match rest.as_bytes()[i] {
+            b'\\' => "\\\\",
+            b'"' => "\\\"",
+            _ => "\\n",
+        })?;
+        rest = &rest[i + 1..];
+    }
+    out.write_str(rest)
+}
+
+/// The `model` label of a request whose model no backend serves: client-chosen names must not
+/// become series (unbounded, and any text at all).
+pub const UNKNOWN_MODEL: &str = "(unknown)";
 
 impl From<&str> for Label {
     fn from(s: &str) -> Self {
@@ -76,7 +97,10 @@ fn ratio() -> Histogram {
 
 pub struct RouterMetrics {
     pub registry: Registry,
-    pub requests: Family<RequestLabels, Counter>,
+    requests: Family<RequestLabels, Counter>,
+    /// The `requests` label sets created per backend, so they can go when the backend does
+    /// (written only when a new set appears).
+    request_series: parking_lot::Mutex<Vec<RequestLabels>>,
     pub decisions: Family<DecisionLabels, Counter>,
     pub matched_ratio: Histogram,
     pub added_latency: Histogram,
@@ -100,6 +124,7 @@ impl RouterMetrics {
         let mut r = Registry::default();
         let m = Self {
             requests: Family::default(),
+            request_series: Default::default(),
             decisions: Family::default(),
             matched_ratio: ratio(),
             added_latency: latency(),
@@ -200,6 +225,45 @@ impl RouterMetrics {
         Self { registry: r, ..m }
     }
 
+    /// Counts one answered request.
+    pub fn count_request(&self, labels: RequestLabels) {
+        if let Some(counter) = self.requests.get(&labels) {
+            counter.inc();
+            return;
+        }
+        let mut series = self.request_series.lock();
+        if !series.contains(&labels) {
+            series.push(labels.clone());
+        }
+        self.requests.get_or_create(&labels).inc();
+    }
+
+    /// Counts a request moved on from `backend` to the next candidate.
+    pub fn count_retry(&self, backend: &Backend) {
+        self.retries
+            .get_or_create(&BackendLabels {
+                backend: Label(backend.label.clone()),
+            })
+            .inc();
+    }
+
+    /// Removes the series of a backend that left (pods come and go; their series must not
+    /// pile up).
+    pub fn forget_backend(&self, backend: &Backend) {
+        let label = Label(backend.label.clone());
+        self.request_series.lock().retain(|labels| {
+            let gone = labels.backend == label;
+            if gone {
+                self.requests.remove(labels);
+            }
+            !gone
+        });
+        self.request_latency.remove(&ServerLabels {
+            server: label.clone(),
+        });
+        self.retries.remove(&BackendLabels { backend: label });
+    }
+
     /// Refreshes the per-backend gauges before a scrape.
     pub fn observe_backends(&self, backends: &[Arc<Backend>]) {
         for f in [&self.inflight, &self.healthy] {
@@ -236,5 +300,29 @@ impl RouterMetrics {
             self.healthy_pods.get_or_create(&server).set(healthy);
             self.current_qps.get_or_create(&server).set(b.qps());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn label_values_are_escaped() {
+        let mut out = String::new();
+        write_escaped(&mut out, "a\"b\\c\nd").unwrap();
+        assert_eq!(out, "a\\\"b\\\\c\\nd");
+        let m = RouterMetrics::new();
+        m.incoming
+            .get_or_create(&ModelLabels {
+                model: Label("x\"} 1\nfake_metric 7".into()),
+            })
+            .inc();
+        let text = crate::http_metrics::encode(&m.registry);
+        assert!(
+            !text.lines().any(|l| l.starts_with("fake_metric")),
+            "{text}"
+        );
+        assert!(text.contains(r#"model="x\"} 1\nfake_metric 7""#), "{text}");
     }
 }

@@ -9,6 +9,7 @@ pub mod policy;
 pub(crate) mod proxy;
 pub mod request_string;
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -49,8 +50,11 @@ pub struct GatewaySettings {
     pub max_body: usize,
     pub session_header: HeaderName,
     pub default_capacity: u64,
-    /// Longest wait for one backend's answer to begin before the next is tried.
+    /// Streamed requests: longest wait for one backend's answer to begin before the next is
+    /// tried.
     pub upstream_timeout: Duration,
+    /// Proxied requests in flight at once (`--max-concurrent`).
+    pub max_concurrent: usize,
 }
 
 /// Everything a request needs.
@@ -68,6 +72,9 @@ pub struct Gateway {
     /// Set while the store fails, so an outage is logged once, not per request.
     store_down: AtomicBool,
     keys: crate::access::Keys,
+    /// Drops of backends' index entries still running, by server id: a backend that comes
+    /// back (healthy again, or re-added) waits for its drop before its capacity is set again.
+    pending_drops: parking_lot::Mutex<HashMap<ServerId, tokio::task::JoinHandle<()>>>,
 }
 
 impl Gateway {
@@ -177,15 +184,48 @@ impl Gateway {
         }
     }
 
-    /// Drops a backend's index entries (it left, or it failed and may come back empty).
+    /// A check succeeded: a backend that was unhealthy is a candidate again, and its index
+    /// capacity (dropped with its entries) is set again once the drop has finished.
+    pub async fn backend_succeeded(self: &Arc<Self>, backend: &Arc<Backend>) {
+        if backend.record_success() {
+            tracing::info!(backend = backend.url(), "backend is healthy");
+            self.restore_capacity(backend).await;
+        }
+    }
+
+    /// Drops a backend's index entries (it left, or it failed and may come back empty). The
+    /// drop runs in the background; [`Gateway::restore_capacity`] waits for it.
     fn forget(self: &Arc<Self>, backend: Arc<Backend>) {
         let gw = self.clone();
-        tokio::spawn(async move {
-            backend.entries.store(0, Relaxed);
+        let id = backend.id;
+        backend.entries.store(0, Relaxed);
+        let mut pending = self.pending_drops.lock();
+        let before = pending.remove(&id);
+        let drop = tokio::spawn(async move {
+            if let Some(before) = before {
+                let _ = before.await;
+            }
             if let Err(e) = gw.store.drop_server(backend.id).await {
                 tracing::warn!(backend = backend.url(), error = %e, "could not drop the backend's index entries");
             }
         });
+        pending.insert(id, drop);
+    }
+
+    /// Waits for a pending drop of the backend's entries, then sets its index capacity (the
+    /// configured one or the one derived from its KV cache): a store forgets a server's
+    /// capacity with its entries.
+    async fn restore_capacity(&self, backend: &Backend) {
+        let pending = self.pending_drops.lock().remove(&backend.id);
+        if let Some(drop) = pending {
+            let _ = drop.await;
+        }
+        let capacity = backend.capacity.load(Relaxed);
+        if capacity != self.settings.default_capacity || backend.spec().capacity.is_some() {
+            if let Err(e) = self.store.set_capacity(backend.id, capacity).await {
+                tracing::warn!(backend = backend.url(), error = %e, "could not set the index capacity");
+            }
+        }
     }
 
     /// Applies a new backend list: new ones are checked at once, gone ones forgotten.
@@ -198,14 +238,19 @@ impl Gateway {
             .reconcile(specs, self.settings.default_capacity)?;
         for gone in change.removed {
             tracing::info!(backend = gone.url(), "backend left");
+            self.metrics.forget_backend(&gone);
             self.forget(gone);
+        }
+        for b in &change.updated {
+            tracing::info!(backend = b.url(), "backend settings changed");
+            if b.spec().capacity.is_some() {
+                self.restore_capacity(b).await;
+            }
         }
         let added = change.added;
         for b in &added {
             tracing::info!(backend = b.url(), "backend joined");
-            if let Some(capacity) = b.spec.capacity {
-                let _ = self.store.set_capacity(b.id, capacity).await;
-            }
+            self.restore_capacity(b).await;
         }
         futures_util::future::join_all(added.iter().map(|b| async {
             monitor::check_backend(self, b).await;
@@ -269,11 +314,13 @@ pub async fn gateway(args: &ServeArgs) -> anyhow::Result<Arc<Gateway>> {
             session_header,
             default_capacity: args.store.capacity,
             upstream_timeout: args.upstream_timeout,
+            max_concurrent: args.limits.max_concurrent,
         },
         keys: args.access.keys()?,
         metrics: RouterMetrics::new(),
         inline_notify,
         store_down: AtomicBool::new(false),
+        pending_drops: Default::default(),
     });
     gw.set_backends(&args.backend_specs()?).await?;
     Ok(gw)
@@ -346,7 +393,11 @@ async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Response {
         }
     }
     drop(fleet);
-    let model = model_label.unwrap_or_else(|| Arc::from(routing.model.as_deref().unwrap_or("")));
+    // The label is a name some backend serves, or a constant: never the client's text.
+    let model = model_label.unwrap_or_else(|| match routing.model {
+        Some(_) => Arc::from(metrics::UNKNOWN_MODEL),
+        None => Arc::from(""),
+    });
     gw.metrics
         .incoming
         .get_or_create(&ModelLabels {
@@ -373,7 +424,7 @@ async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Response {
         .get(&gw.settings.session_header)
         .and_then(|v| v.to_str().ok());
     let decision: Decision = if endpoint == Endpoint::Other {
-        policy::by_load(&mut candidates, 0);
+        policy::by_load(&mut candidates, gw.balancer.next_turn());
         Decision {
             order: candidates,
             reason: Reason::LeastLoaded,
@@ -405,27 +456,51 @@ async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Response {
     }
     forward(
         &gw,
-        parts,
-        body,
+        Outgoing {
+            parts,
+            body,
+            stream: routing.stream,
+            received,
+            model,
+        },
         decision.order,
         hashes.as_ref(),
-        received,
-        model,
     )
     .await
 }
 
-/// Sends the request to the first backend of `order`, moving on after a connection error or a
-/// 5xx (at most `--max-retries` times) while nothing has reached the client yet.
-async fn forward(
-    gw: &Arc<Gateway>,
+/// A request on its way to a backend.
+struct Outgoing {
     parts: axum::http::request::Parts,
     body: bytes::Bytes,
+    /// Streamed: the backend's head comes at once, so waiting for it is bounded.
+    stream: bool,
+    received: Instant,
+    /// The metric label of its model.
+    model: Arc<str>,
+}
+
+/// Sends the request to the first backend of `order`, moving on after a connection error or a
+/// 5xx (at most `--max-retries` times) while nothing has reached the client yet.
+///
+/// A streamed request whose head has not come within `--upstream-timeout` also moves on (vLLM
+/// sends a stream's head at once, so a missing one means a stuck backend); a non-streamed
+/// answer's head comes only when generation ends, so its wait is bounded by
+/// `--request-timeout` alone. A slow head is never counted against the backend's health: only
+/// a failed connection is (and the health checks decide).
+async fn forward(
+    gw: &Arc<Gateway>,
+    req: Outgoing,
     order: Vec<Arc<Backend>>,
     hashes: Option<&PrefixHashes>,
-    received: Instant,
-    model: Arc<str>,
 ) -> Response {
+    let Outgoing {
+        parts,
+        body,
+        stream,
+        received,
+        model,
+    } = req;
     let request_id = proxy::request_id(&parts.headers);
     let mut headers = parts.headers;
     headers.insert("x-request-id", request_id.clone());
@@ -436,6 +511,13 @@ async fn forward(
     let deadline = received + gw.settings.request_timeout;
     let attempts = order.len().min(gw.settings.max_retries + 1);
     let mut last_error: Option<Response> = None;
+    let timed_out = || {
+        ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "the backend did not answer in time",
+        )
+        .into_response()
+    };
     for (attempt, backend) in order.into_iter().take(attempts).enumerate() {
         if let Some(hashes) = hashes {
             gw.notify(hashes, &backend).await;
@@ -450,34 +532,22 @@ async fn forward(
                 .observe(received.elapsed().as_secs_f64());
         }
         let last = attempt + 1 == attempts;
-        let attempt_deadline = deadline.min(Instant::now() + gw.settings.upstream_timeout);
+        let attempt_deadline = if stream {
+            deadline.min(Instant::now() + gw.settings.upstream_timeout)
+        } else {
+            deadline
+        };
         match tokio::time::timeout_at(attempt_deadline.into(), gw.client.request(upstream)).await {
             Err(_) if !last && attempt_deadline < deadline => {
-                tracing::warn!(request_id = ?request_id, backend = backend.url(), "backend did not answer in time: trying the next backend");
-                gw.backend_failed(&backend);
+                tracing::warn!(request_id = ?request_id, backend = backend.url(), "the stream did not begin in time: trying the next backend");
                 record(gw, &backend, &model, 504, received.elapsed());
-                gw.metrics
-                    .retries
-                    .get_or_create(&metrics::BackendLabels {
-                        backend: Label(backend.label.clone()),
-                    })
-                    .inc();
-                last_error = Some(
-                    ApiError::new(
-                        StatusCode::GATEWAY_TIMEOUT,
-                        "the backend did not answer in time",
-                    )
-                    .into_response(),
-                );
+                gw.metrics.count_retry(&backend);
+                last_error = Some(timed_out());
             }
             Err(_) => {
                 tracing::warn!(request_id = ?request_id, backend = backend.url(), "request timed out");
                 record(gw, &backend, &model, 504, received.elapsed());
-                return ApiError::new(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    "the backend did not answer in time",
-                )
-                .into_response();
+                return timed_out();
             }
             Ok(Err(e)) => {
                 tracing::warn!(request_id = ?request_id, backend = backend.url(), error = %e, "backend connection failed");
@@ -485,12 +555,7 @@ async fn forward(
                     gw.backend_failed(&backend);
                 }
                 record(gw, &backend, &model, 502, received.elapsed());
-                gw.metrics
-                    .retries
-                    .get_or_create(&metrics::BackendLabels {
-                        backend: Label(backend.label.clone()),
-                    })
-                    .inc();
+                gw.metrics.count_retry(&backend);
                 last_error = Some(bad_gateway(e));
             }
             Ok(Ok(resp)) if resp.status().is_server_error() && !last => {
@@ -502,12 +567,7 @@ async fn forward(
                     resp.status().as_u16(),
                     received.elapsed(),
                 );
-                gw.metrics
-                    .retries
-                    .get_or_create(&metrics::BackendLabels {
-                        backend: Label(backend.label.clone()),
-                    })
-                    .inc();
+                gw.metrics.count_retry(&backend);
             }
             Ok(Ok(resp)) => {
                 let gw2 = gw.clone();
@@ -526,14 +586,11 @@ async fn forward(
 }
 
 fn record(gw: &Gateway, backend: &Backend, model: &Arc<str>, status: u16, elapsed: Duration) {
-    gw.metrics
-        .requests
-        .get_or_create(&RequestLabels {
-            backend: Label(backend.label.clone()),
-            model: Label(model.clone()),
-            status,
-        })
-        .inc();
+    gw.metrics.count_request(RequestLabels {
+        backend: Label(backend.label.clone()),
+        model: Label(model.clone()),
+        status,
+    });
     gw.metrics
         .request_latency
         .get_or_create(&ServerLabels {
@@ -601,9 +658,11 @@ fn need(req: &Request) -> crate::access::Need {
     }
 }
 
-/// The gateway's routes.
+/// The gateway's routes. Only the proxied ones count against `--max-concurrent`: the health
+/// probe and the metrics answer on a router at its cap.
 pub fn app(gw: Arc<Gateway>) -> Router {
     let keys = gw.keys.clone();
+    let limit = server::ConcurrencyLimit::new(gw.settings.max_concurrent);
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
@@ -615,6 +674,9 @@ pub fn app(gw: Arc<Gateway>) -> Router {
         .route("/rerank", post(by_load))
         .route("/v1/score", post(by_load))
         .route("/score", post(by_load))
+        .route_layer(axum::middleware::from_fn(move |req, next| {
+            limit.clone().admit(req, next)
+        }))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))

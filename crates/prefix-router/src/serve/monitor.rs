@@ -64,9 +64,9 @@ pub async fn get(gw: &Gateway, backend: &Backend, path: &str, timeout: Duration)
         .uri(format!("{}{path}", backend.url()))
         .body(Full::new(Bytes::new()))
         .ok()?;
-    if let Some(auth) = &backend.authorization {
+    if let Some(auth) = backend.authorization() {
         req.headers_mut()
-            .insert(axum::http::header::AUTHORIZATION, auth.clone());
+            .insert(axum::http::header::AUTHORIZATION, auth);
     }
     let fetch = async {
         let resp = gw.client.request(req).await.ok()?;
@@ -104,7 +104,7 @@ pub async fn check_backend(gw: &Arc<Gateway>, backend: &Arc<Backend>) {
         gw.backend_failed(backend);
         return;
     }
-    if backend.spec.models.is_none() {
+    if backend.spec().models.is_none() {
         match get(gw, backend, "/v1/models", timeout)
             .await
             .as_deref()
@@ -127,9 +127,7 @@ pub async fn check_backend(gw: &Arc<Gateway>, backend: &Arc<Backend>) {
             }
         }
     }
-    if backend.record_success() {
-        tracing::info!(backend = backend.url(), "backend is healthy");
-    }
+    gw.backend_succeeded(backend).await;
 }
 
 /// One load round for one backend: running, waiting, KV usage and cache size.
@@ -147,7 +145,7 @@ pub async fn scrape_backend(gw: &Arc<Gateway>, backend: &Arc<Backend>) {
         backend.kv_usage_bits.store(kv.to_bits(), Relaxed);
     }
     if let (Some(block_size), Some(blocks), None) =
-        (r.block_size, r.num_gpu_blocks, backend.spec.capacity)
+        (r.block_size, r.num_gpu_blocks, backend.spec().capacity)
     {
         // Chunks of request text that fit in the KV cache: tokens × ~4 bytes per token.
         let chunk = gw.hasher.chunk_size() as u64;

@@ -126,7 +126,7 @@ fn order(candidates: &mut [Arc<Backend>], rotation: u64, prefill_first: bool) {
         .map(|(i, b)| {
             let (inflight, queue) = b.load();
             // A backend of weight 2 takes twice the requests of a backend of weight 1.
-            let weight = u64::from(b.spec.weight.max(1));
+            let weight = b.weight();
             let prefill = if prefill_first {
                 b.waiting_first_byte.load(Relaxed) * 1024 / weight
             } else {
@@ -166,7 +166,8 @@ impl Balancer {
         }
     }
 
-    fn next_turn(&self) -> u64 {
+    /// A rotating position, so equally loaded backends take turns.
+    pub fn next_turn(&self) -> u64 {
         self.turn.fetch_add(1, Relaxed)
     }
 
@@ -239,10 +240,14 @@ impl Balancer {
         if ratio < s.cache_threshold || q.matches[best] == 0 {
             return decision(candidates, Reason::BelowThreshold, Some(ratio));
         }
-        let chosen = candidates[best].inflight.load(Relaxed);
-        let least = candidates[0].inflight.load(Relaxed);
-        let overloaded = chosen > least.saturating_add(s.balance_abs)
-            && chosen as f64 > least as f64 * s.balance_rel;
+        // In requests per unit of weight: a backend of weight 4 at 40 is as loaded as one of
+        // weight 1 at 10.
+        let chosen = per_weight(&candidates[best]);
+        let least = candidates
+            .iter()
+            .map(|b| per_weight(b))
+            .fold(f64::MAX, f64::min);
+        let overloaded = chosen > least + s.balance_abs as f64 && chosen > least * s.balance_rel;
         if overloaded {
             return decision(candidates, Reason::LoadGuard, Some(ratio));
         }
@@ -251,13 +256,15 @@ impl Balancer {
     }
 
     /// Rendezvous hashing: every backend gets a score from (key, backend id); the highest
-    /// score wins unless its load is above `session_load_factor` × the mean (+1), then the next.
+    /// score wins unless its load is above `session_load_factor` × its share of the total (+1)
+    /// by weight, then the next.
     fn session(&self, candidates: Vec<Arc<Backend>>, key: &str) -> Decision {
         let key_hash = xxhash_rust::xxh3::xxh3_64(key.as_bytes());
         let total: u64 = candidates.iter().map(|b| b.inflight.load(Relaxed)).sum();
-        let bound = ((total + 1) as f64 / candidates.len() as f64
-            * self.settings.session_load_factor)
-            .ceil() as u64;
+        let total_weight: u64 = candidates.iter().map(|b| b.weight()).sum();
+        let per_weight_bound =
+            (total + 1) as f64 / total_weight as f64 * self.settings.session_load_factor;
+        let bound = |b: &Backend| ((per_weight_bound * b.weight() as f64).ceil() as u64).max(1);
         let mut ranked = candidates.clone();
         ranked.sort_by_key(|b| {
             std::cmp::Reverse(xxhash_rust::xxh3::xxh3_64_with_seed(
@@ -267,7 +274,7 @@ impl Balancer {
         });
         let pick = ranked
             .iter()
-            .position(|b| b.inflight.load(Relaxed) < bound.max(1))
+            .position(|b| b.inflight.load(Relaxed) < bound(b))
             .unwrap_or(0);
         let reason = if pick == 0 {
             Reason::SessionAffinity
@@ -279,6 +286,11 @@ impl Balancer {
         order.extend(candidates.into_iter().filter(|b| !Arc::ptr_eq(b, &chosen)));
         decision(order, reason, None)
     }
+}
+
+/// In-flight requests per unit of weight.
+fn per_weight(b: &Backend) -> f64 {
+    b.inflight.load(Relaxed) as f64 / b.weight() as f64
 }
 
 fn decision(order: Vec<Arc<Backend>>, reason: Reason, matched_ratio: Option<f64>) -> Decision {
@@ -383,17 +395,8 @@ mod tests {
 
     #[test]
     fn weights_scale_load() {
-        let heavy = Arc::new(
-            Backend::new(
-                BackendSpec {
-                    weight: 4,
-                    ..BackendSpec::new("http://big:1")
-                },
-                100,
-            )
-            .unwrap(),
-        );
-        let light = Arc::new(Backend::new(BackendSpec::new("http://small:1"), 100).unwrap());
+        let heavy = weighted("http://big:1", 4);
+        let light = weighted("http://small:1", 1);
         heavy.inflight.store(3, Relaxed);
         light.inflight.store(1, Relaxed);
         let mut order = vec![light.clone(), heavy.clone()];
@@ -403,6 +406,81 @@ mod tests {
             "http://big:1",
             "3 of weight 4 is less load than 1 of weight 1"
         );
+    }
+
+    fn weighted(url: &str, weight: u32) -> Arc<Backend> {
+        Arc::new(
+            Backend::new(
+                BackendSpec {
+                    weight,
+                    ..BackendSpec::new(url)
+                },
+                100,
+            )
+            .unwrap(),
+        )
+    }
+
+    #[tokio::test]
+    async fn the_load_guard_compares_load_per_weight() {
+        let big = weighted("http://big:1", 4);
+        let small = weighted("http://small:1", 1);
+        big.inflight.store(40, Relaxed);
+        small.inflight.store(10, Relaxed);
+        let b = balancer(PolicyKind::PrefixLoad);
+        let d = pick(&b, &[small.clone(), big.clone()], vec![0, 9], 10).await;
+        assert_eq!(
+            (d.order[0].url(), d.reason),
+            ("http://big:1", Reason::CacheHit),
+            "40 of weight 4 is as loaded as 10 of weight 1"
+        );
+        big.inflight.store(80, Relaxed);
+        let d = pick(&b, &[small, big], vec![0, 9], 10).await;
+        assert_eq!(
+            d.reason,
+            Reason::LoadGuard,
+            "80 of weight 4 is twice 10 of weight 1"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_session_bound_scales_with_weight() {
+        let none = |_: Vec<ServerId>| async { Err::<QueryOutcome, _>(StoreFailure) };
+        let b = balancer(PolicyKind::Session);
+        let big = weighted("http://big:1", 4);
+        let small = weighted("http://small:1", 1);
+        let both = vec![small.clone(), big.clone()];
+        // A session key whose rendezvous favourite is `favourite` (on an idle fleet).
+        let key_for = |favourite: &Arc<Backend>| {
+            (0..100)
+                .map(|i| format!("user-{i}"))
+                .find(|k| {
+                    let d = futures_util::FutureExt::now_or_never(b.decide(
+                        both.clone(),
+                        None,
+                        Some(k),
+                        none,
+                    ))
+                    .unwrap();
+                    Arc::ptr_eq(&d.order[0], favourite)
+                })
+                .unwrap()
+        };
+        let (big_key, small_key) = (key_for(&big), key_for(&small));
+        // 16 in flight at big, 4 at small: big's bound is its 4/5 share of 21 × 1.25 = 21, so
+        // it keeps its session (with weights ignored the bound is 14 and the session moved).
+        big.inflight.store(16, Relaxed);
+        small.inflight.store(4, Relaxed);
+        let d = b.decide(both.clone(), None, Some(&big_key), none).await;
+        assert_eq!(d.reason, Reason::SessionAffinity);
+        assert!(Arc::ptr_eq(&d.order[0], &big));
+        // 3 at small, 4 at big: small's bound is its 1/5 share of 8 × 1.25 = 2, so its session
+        // overflows (with weights ignored the bound is 5 and it stayed).
+        big.inflight.store(4, Relaxed);
+        small.inflight.store(3, Relaxed);
+        let d = b.decide(both, None, Some(&small_key), none).await;
+        assert_eq!(d.reason, Reason::SessionOverflow);
+        assert!(Arc::ptr_eq(&d.order[0], &big));
     }
 
     #[tokio::test]

@@ -5,8 +5,8 @@
 //! the backend fails, or the client goes away (which drops the upstream connection and so
 //! cancels the request in vLLM).
 
-use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -14,11 +14,14 @@ use axum::body::Body;
 use axum::http::header::{self, HeaderName};
 use axum::http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri};
 use bytes::Bytes;
+use futures_util::task::AtomicWaker;
 use http_body_util::Full;
 use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use parking_lot::Mutex;
+use tokio::task::AbortHandle;
 
 use super::backend::{Backend, InflightGuard};
 
@@ -81,13 +84,15 @@ pub fn upstream_request(
             out.append(name.clone(), value.clone());
         }
     }
-    if let Some(auth) = &backend.authorization {
-        out.insert(header::AUTHORIZATION, auth.clone());
+    if let Some(auth) = backend.authorization() {
+        out.insert(header::AUTHORIZATION, auth);
     }
     req
 }
 
-/// Copies an upstream answer's head, wrapping its body so it carries `guard`.
+/// Copies an upstream answer's head, wrapping its body so it carries `guard`. `on_end` gets the
+/// status to count once the answer is over: the backend's when the last frame passed, 502 when
+/// the backend broke it, 504 past `deadline`, 499 when the client left first.
 pub fn downstream_response(
     upstream: Response<Incoming>,
     guard: InflightGuard,
@@ -101,14 +106,34 @@ pub fn downstream_response(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("text/event-stream"));
     let status = parts.status.as_u16();
+    let started = Instant::now();
+    let shared = Arc::new(Shared {
+        live: Mutex::new(Some(Live {
+            inner: body,
+            guard,
+            on_end: Box::new(on_end),
+        })),
+        waker: AtomicWaker::new(),
+    });
+    // The deadline holds whether or not the client reads: a client that stops reading is not
+    // polling this body, so a timer of its own ends the upstream request and frees its slot.
+    let timer = {
+        let shared = Arc::downgrade(&shared);
+        tokio::spawn(async move {
+            tokio::time::sleep_until(deadline.into()).await;
+            if let Some(shared) = shared.upgrade() {
+                shared.end(StatusCode::GATEWAY_TIMEOUT.as_u16(), started);
+                shared.waker.wake();
+            }
+        })
+        .abort_handle()
+    };
     let mut response = Response::new(Body::new(GuardedBody {
-        inner: body,
-        guard: Some(guard),
+        shared,
         sse,
         status,
-        started: Instant::now(),
-        on_end: Some(Box::new(on_end)),
-        deadline: Box::pin(tokio::time::sleep_until(deadline.into())),
+        started,
+        timer,
         done: false,
     }));
     *response.status_mut() = parts.status;
@@ -121,37 +146,63 @@ pub fn downstream_response(
     response
 }
 
-/// The answer's body: passes frames through and releases the in-flight guard at the end.
-struct GuardedBody {
+/// What a response holds while it lasts: the upstream body and the in-flight count.
+struct Live {
     inner: Incoming,
-    guard: Option<InflightGuard>,
+    guard: InflightGuard,
+    on_end: Box<dyn FnOnce(u16, Duration) + Send>,
+}
+
+/// Shared between the body and its deadline timer; whichever ends the answer first takes
+/// [`Live`], so it ends exactly once.
+struct Shared {
+    live: Mutex<Option<Live>>,
+    waker: AtomicWaker,
+}
+
+impl Shared {
+    /// Ends the answer with `status` if it is still live: drops the upstream body (which
+    /// cancels the request in vLLM) and the in-flight count, and counts it.
+    fn end(&self, status: u16, started: Instant) {
+        let live = self.live.lock().take();
+        if let Some(live) = live {
+            drop(live.inner);
+            drop(live.guard);
+            (live.on_end)(status, started.elapsed());
+        }
+    }
+}
+
+/// The answer's body: passes frames through and ends the answer exactly once.
+struct GuardedBody {
+    shared: Arc<Shared>,
     sse: bool,
     status: u16,
     started: Instant,
-    on_end: Option<Box<dyn FnOnce(u16, Duration) + Send>>,
-    deadline: Pin<Box<tokio::time::Sleep>>,
+    timer: AbortHandle,
     done: bool,
 }
 
 impl GuardedBody {
-    fn finish(&mut self) {
+    fn finish(&mut self, status: u16) {
         self.done = true;
-        self.guard.take();
-        if let Some(on_end) = self.on_end.take() {
-            on_end(self.status, self.started.elapsed());
-        }
+        self.timer.abort();
+        self.shared.end(status, self.started);
     }
 
     /// A stream that breaks mid-way ends with an error event for SSE clients, so they do not
     /// wait for a `[DONE]` that will never come; other bodies end with an error (the client
     /// sees a truncated answer).
-    fn broken(&mut self, why: &str) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        self.status = StatusCode::BAD_GATEWAY.as_u16();
-        self.finish();
+    fn broken(
+        &mut self,
+        status: u16,
+        why: &str,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        self.finish(status);
         if self.sse {
             let event = serde_json::json!({"error": {
                 "message": format!("the backend stream broke: {why}"),
-                "type": "service_unavailable_error", "param": null, "code": 502,
+                "type": "service_unavailable_error", "param": null, "code": status,
             }});
             Poll::Ready(Some(Ok(Frame::data(Bytes::from(format!(
                 "data: {event}\n\n"
@@ -176,31 +227,55 @@ impl HttpBody for GuardedBody {
         if this.done {
             return Poll::Ready(None);
         }
-        if this.deadline.as_mut().poll(cx).is_ready() {
-            return this.broken("the request timed out");
-        }
-        match Pin::new(&mut this.inner).poll_frame(cx) {
+        this.shared.waker.register(cx.waker());
+        let mut live = this.shared.live.lock();
+        let Some(state) = live.as_mut() else {
+            drop(live);
+            return this.broken(
+                StatusCode::GATEWAY_TIMEOUT.as_u16(),
+                "the request timed out",
+            );
+        };
+        let polled = Pin::new(&mut state.inner).poll_frame(cx);
+        let at_end = match &polled {
+            Poll::Ready(Some(Ok(_))) => {
+                state.guard.first_byte();
+                // hyper stops polling a body of known length once it has all of it, so the
+                // last frame, not the end of the stream, is where a sized answer ends.
+                state.inner.is_end_stream()
+            }
+            _ => false,
+        };
+        drop(live);
+        match polled {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Some(Ok(frame))) => {
-                if let Some(guard) = &mut this.guard {
-                    guard.first_byte();
+                if at_end {
+                    let status = this.status;
+                    this.finish(status);
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(Some(Err(e))) => this.broken(&e.to_string()),
+            Poll::Ready(Some(Err(e))) => {
+                this.broken(StatusCode::BAD_GATEWAY.as_u16(), &e.to_string())
+            }
             Poll::Ready(None) => {
-                this.finish();
+                let status = this.status;
+                this.finish(status);
                 Poll::Ready(None)
             }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.done || self.inner.is_end_stream()
+        self.done
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        match self.shared.live.lock().as_ref() {
+            Some(live) => live.inner.size_hint(),
+            None => SizeHint::with_exact(0),
+        }
     }
 }
 
@@ -208,8 +283,7 @@ impl Drop for GuardedBody {
     /// The client went away before the end: the guard and the upstream connection go now.
     fn drop(&mut self) {
         if !self.done {
-            self.status = 499;
-            self.finish();
+            self.finish(499);
         }
     }
 }

@@ -46,6 +46,8 @@ struct Fields<'a> {
     input: Option<&'a RawValue>,
     #[serde(borrow, default)]
     instructions: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    stream: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -80,6 +82,9 @@ pub struct Routing {
     pub model: Option<String>,
     /// The request string (empty for [`Endpoint::Other`]).
     pub text: String,
+    /// `"stream": true`: the backend answers with its head at once and then events, so a
+    /// missing head means a hung backend; a non-streamed answer's head comes only at the end.
+    pub stream: bool,
 }
 
 fn invalid(what: &str) -> ApiError {
@@ -121,10 +126,12 @@ pub fn routing(endpoint: Endpoint, body: &[u8]) -> Result<Routing, ApiError> {
         Some(raw) if raw.get() != "null" => Some(string(raw, "model")?.into_owned()),
         _ => None,
     };
+    let stream = fields.stream.is_some_and(|s| s.get() == "true");
     if endpoint == Endpoint::Other {
         return Ok(Routing {
             model,
             text: String::new(),
+            stream,
         });
     }
     let Some(model) = model else {
@@ -190,6 +197,7 @@ pub fn routing(endpoint: Endpoint, body: &[u8]) -> Result<Routing, ApiError> {
     Ok(Routing {
         model: Some(model),
         text,
+        stream,
     })
 }
 
@@ -294,6 +302,11 @@ mod tests {
             {"role": "assistant", "content": "Hello.", "tool_calls": [{"id": "1"}]},
             {"role": "tool", "content": "42", "tool_call_id": "1"},
         ]});
+        assert!(
+            routing(Endpoint::Chat, turn2.to_string().as_bytes())
+                .unwrap()
+                .stream
+        );
         let (a, b) = (text(Endpoint::Chat, turn1), text(Endpoint::Chat, turn2));
         assert!(b.starts_with(&a), "{a:?} / {b:?}");
         assert_eq!(a, "m\n\u{1e}system\u{1f}Be brief.\u{1e}user\u{1f}Hi there");
@@ -375,7 +388,8 @@ mod tests {
             r,
             Routing {
                 model: None,
-                text: String::new()
+                text: String::new(),
+                stream: false,
             }
         );
     }

@@ -1,0 +1,95 @@
+//! Helpers shared by the router's integration tests: simulated fleets, a router in-process on
+//! a free loopback port, metrics read off `/metrics`.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use prefix_router::serve::{self, Gateway, ServeArgs};
+use prefix_router::server::Running;
+use vllm_sim::{Fleet, SimConfig};
+
+pub const LOOPBACK: ([u8; 4], u16) = ([127, 0, 0, 1], 0);
+
+/// `n` simulated vLLM servers on free loopback ports.
+pub async fn fleet(config: SimConfig, n: usize) -> Fleet {
+    Fleet::start(config, n, SocketAddr::from(LOOPBACK))
+        .await
+        .unwrap()
+}
+
+/// Sims that answer at once (no simulated time).
+pub fn instant() -> SimConfig {
+    SimConfig {
+        time_scale: 0.0,
+        ..SimConfig::default()
+    }
+}
+
+/// A router in front of `urls`, with fast health checks and load scrapes (100 ms, one failure
+/// makes a backend unhealthy) and then `extra` command-line words.
+pub async fn router(urls: &[String], extra: &[&str]) -> (Running, Arc<Gateway>) {
+    let listener = tokio::net::TcpListener::bind(SocketAddr::from(LOOPBACK))
+        .await
+        .unwrap();
+    let mut words: Vec<String> = vec![
+        "--listen".into(),
+        listener.local_addr().unwrap().to_string(),
+        "--health-interval".into(),
+        "100ms".into(),
+        "--metrics-interval".into(),
+        "100ms".into(),
+        "--unhealthy-after".into(),
+        "1".into(),
+    ];
+    for u in urls {
+        words.push("--backend".into());
+        words.push(u.clone());
+    }
+    words.extend(extra.iter().map(|s| s.to_string()));
+    let args = ServeArgs::from_words(&words).unwrap();
+    serve::spawn(args, listener).await.unwrap()
+}
+
+/// The `/metrics` text of a server.
+pub async fn metrics_text(url: &str) -> String {
+    reqwest::get(format!("{url}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// The lines of metric `name` (any labels) in a `/metrics` text.
+pub fn series<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = &'a str> {
+    text.lines()
+        .filter(move |l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+}
+
+/// A metric's value from a server's `/metrics`, summed over the label sets containing `filter`.
+pub async fn metric(url: &str, name: &str, filter: &str) -> f64 {
+    let text = metrics_text(url).await;
+    series(&text, name)
+        .filter(|l| l.contains(filter))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Polls `check` every 50 ms until it holds or `secs` pass; returns whether it held.
+pub async fn eventually<F, Fut>(secs: u64, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let until = tokio::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        if check().await {
+            return true;
+        }
+        if tokio::time::Instant::now() > until {
+            return false;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
