@@ -7,6 +7,7 @@ pub mod oracle;
 pub mod report;
 pub mod stats;
 pub mod systems;
+pub mod vllm_fleet;
 pub mod workload;
 
 use std::path::{Path, PathBuf};
@@ -34,6 +35,14 @@ pub enum BenchCommand {
     Run(RunArgs),
     /// The same workload against every system, on one simulated fleet.
     Compare(CompareArgs),
+    /// Starts real vLLM servers (CPU build, tiny model, real tokenizer) and waits for Ctrl-C.
+    VllmFleet {
+        #[command(flatten)]
+        fleet: vllm_fleet::VllmFleetArgs,
+        /// Where the logs and the model directory go.
+        #[arg(long, default_value = "target/vllm-fleet")]
+        work_dir: PathBuf,
+    },
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -508,6 +517,9 @@ pub async fn run(args: BenchArgs, router_exe: PathBuf) -> anyhow::Result<()> {
     match args.command {
         BenchCommand::Run(a) => run_one(a).await.map(|_| ()),
         BenchCommand::Compare(a) => compare(a, router_exe).await.map(|_| ()),
+        BenchCommand::VllmFleet { fleet, work_dir } => {
+            vllm_fleet::serve_fleet(fleet, work_dir).await
+        }
     }
 }
 

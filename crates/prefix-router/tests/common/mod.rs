@@ -93,3 +93,4 @@ where
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
 }
+pub mod vllm;
