@@ -32,25 +32,29 @@ CONFIG = {
 }
 
 # ChatML, with tools listed in the system turn and text parts joined.
-CHAT_TEMPLATE = """{{- bos_token }}
+CHAT_TEMPLATE = """{%- macro text(content) -%}
+{%- if content is string %}{{ content }}
+{%- elif content %}{% for part in content %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}
+{%- endif -%}
+{%- endmacro -%}
+{{- bos_token }}
 {%- if tools %}
-{{- '<|im_start|>system\\n' }}
-{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}
-{{- '# Tools\\n' }}
-{%- for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}
-{{- '<|im_end|>\\n' }}
+{{- '<|im_start|>system\n' }}
+{%- if messages[0]['role'] == 'system' %}{{ text(messages[0]['content']) + '\n\n' }}{% endif %}
+{{- '# Tools\n' }}
+{%- for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}
+{{- '<|im_end|>\n' }}
 {%- endif %}
 {%- for message in messages %}
 {%- if not (tools and loop.first and message['role'] == 'system') %}
-{{- '<|im_start|>' + message['role'] + '\\n' }}
-{%- if message['content'] is string %}{{ message['content'] }}
-{%- elif message['content'] %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}
-{%- endif %}
-{%- if message['tool_calls'] %}{% for call in message['tool_calls'] %}{{ '\\n<tool_call>' }}{{ call['function'] | tojson }}{{ '</tool_call>' }}{% endfor %}{% endif %}
-{{- '<|im_end|>\\n' }}
+{{- '<|im_start|>' + message['role'] + '\n' }}
+{%- if message['name'] %}{{ message['name'] + ': ' }}{% endif %}
+{{- text(message['content']) }}
+{%- if message['tool_calls'] %}{% for call in message['tool_calls'] %}{{ '\n<tool_call>' }}{{ call['function'] | tojson }}{{ '</tool_call>' }}{% endfor %}{% endif %}
+{{- '<|im_end|>\n' }}
 {%- endif %}
 {%- endfor %}
-{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"""
+{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"""
 
 
 def main(out: str) -> None:

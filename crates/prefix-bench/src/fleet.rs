@@ -1,4 +1,5 @@
-//! The simulated fleet under test: started here or already running, and its counters.
+//! The fleet under test — simulated vLLM servers or real ones, started here or already
+//! running — and its counters.
 
 use std::net::SocketAddr;
 
@@ -32,9 +33,20 @@ impl Counters {
     }
 }
 
-pub struct SimFleet {
+/// The servers a comparison routes to.
+pub struct BenchFleet {
     pub urls: Vec<String>,
-    owned: Option<Fleet>,
+    /// Real vLLM servers: their KV-event publishers (for the oracle), in `urls` order.
+    pub kv_events: Vec<String>,
+    /// Tokens per KV block of the servers.
+    pub block_size: usize,
+    owned: Owned,
+}
+
+enum Owned {
+    Sims(Fleet),
+    Vllm(crate::vllm_fleet::VllmFleet),
+    Nothing,
 }
 
 #[derive(Parser)]
@@ -51,13 +63,28 @@ pub fn sim_config(words: &str) -> anyhow::Result<SimConfig> {
         .config)
 }
 
-impl SimFleet {
+impl BenchFleet {
     /// Starts `n` sims in this process on free ports.
     pub async fn start(n: usize, config: SimConfig) -> anyhow::Result<Self> {
+        let block_size = config.block_size;
         let fleet = Fleet::start(config, n, SocketAddr::from(([127, 0, 0, 1], 0))).await?;
         Ok(Self {
             urls: fleet.urls(),
-            owned: Some(fleet),
+            kv_events: Vec::new(),
+            block_size,
+            owned: Owned::Sims(fleet),
+        })
+    }
+
+    /// Starts real vLLM servers.
+    pub async fn start_vllm(config: crate::vllm_fleet::VllmFleetConfig) -> anyhow::Result<Self> {
+        let block_size = config.block_size;
+        let fleet = crate::vllm_fleet::VllmFleet::start(config).await?;
+        Ok(Self {
+            urls: fleet.urls(),
+            kv_events: fleet.servers.iter().map(|s| s.kv_events.clone()).collect(),
+            block_size,
+            owned: Owned::Vllm(fleet),
         })
     }
 
@@ -68,8 +95,15 @@ impl SimFleet {
                 .into_iter()
                 .map(|u| u.trim_end_matches('/').to_owned())
                 .collect(),
-            owned: None,
+            kv_events: Vec::new(),
+            block_size: SimConfig::default().block_size,
+            owned: Owned::Nothing,
         }
+    }
+
+    /// True for real vLLM servers (no `/sim/*` controls: no time scale, no probes).
+    pub fn is_vllm(&self) -> bool {
+        matches!(self.owned, Owned::Vllm(_))
     }
 
     pub async fn counters(&self, client: &reqwest::Client) -> anyhow::Result<Counters> {
@@ -113,9 +147,16 @@ impl SimFleet {
         Ok(())
     }
 
-    /// Empties every cache and counter.
+    /// Empties every prefix cache (and, on sims, the counters; vLLM's counters only grow,
+    /// which [`Counters::since`] allows for).
     pub async fn reset(&self, client: &reqwest::Client) -> anyhow::Result<()> {
-        self.post_all(client, "/sim/reset", json!({})).await
+        if self.is_vllm() {
+            // vLLM answers only when started with VLLM_SERVER_DEV_MODE=1 (the fleet is).
+            self.post_all(client, "/reset_prefix_cache", json!({}))
+                .await
+        } else {
+            self.post_all(client, "/sim/reset", json!({})).await
+        }
     }
 
     pub async fn set_time_scale(&self, client: &reqwest::Client, scale: f64) -> anyhow::Result<()> {
@@ -124,8 +165,10 @@ impl SimFleet {
     }
 
     pub async fn shutdown(self) {
-        if let Some(fleet) = self.owned {
-            fleet.shutdown().await;
+        match self.owned {
+            Owned::Sims(fleet) => fleet.shutdown().await,
+            Owned::Vllm(fleet) => fleet.stop().await,
+            Owned::Nothing => {}
         }
     }
 }

@@ -18,7 +18,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
 use driver::{Arrivals, Driven, Target};
-use fleet::SimFleet;
+use fleet::BenchFleet;
 use report::{Figures, SystemResult};
 use systems::{LaunchContext, System};
 use workload::{Job, WorkloadArgs, WorkloadKind};
@@ -32,9 +32,9 @@ pub struct BenchArgs {
 #[derive(clap::Subcommand, Debug)]
 pub enum BenchCommand {
     /// One workload against one OpenAI-compatible URL.
-    Run(RunArgs),
-    /// The same workload against every system, on one simulated fleet.
-    Compare(CompareArgs),
+    Run(Box<RunArgs>),
+    /// The same workload against every system, on one fleet.
+    Compare(Box<CompareArgs>),
     /// Starts real vLLM servers (CPU build, tiny model, real tokenizer) and waits for Ctrl-C.
     VllmFleet {
         #[command(flatten)]
@@ -85,6 +85,13 @@ pub struct CompareArgs {
     pub workload: WorkloadArgs,
     #[command(flatten)]
     pub load: LoadArgs,
+    /// The servers: `sim` (simulated, in this process) or `vllm` (real vLLM servers started
+    /// here: see `--vllm-servers`; the overhead and throughput phases need sims and are
+    /// skipped).
+    #[arg(long, default_value = "sim", value_parser = ["sim", "vllm"])]
+    pub fleet: String,
+    #[command(flatten)]
+    pub vllm: vllm_fleet::VllmFleetArgs,
     /// Start this many sim servers in this process.
     #[arg(long, default_value_t = 8)]
     pub sim_servers: usize,
@@ -281,7 +288,7 @@ fn quiet_workload() -> WorkloadArgs {
 /// Runs the workload against one system and measures it.
 async fn measure(
     args: &CompareArgs,
-    fleet: &SimFleet,
+    fleet: &BenchFleet,
     client: &reqwest::Client,
     system: System,
     launched: &systems::Launched,
@@ -291,6 +298,7 @@ async fn measure(
         None => Target::urls(launched.urls.clone()),
     };
     let cpu_before = systems::cpu_seconds(&launched.router_pids);
+    let sims = !fleet.is_vllm();
     fleet.reset(client).await?;
     let before = fleet.counters(client).await?;
     let jobs = limited_jobs(&args.workload, &args.load)?;
@@ -311,8 +319,10 @@ async fn measure(
     }
     let mut requests = driven.samples.len();
     // Router overhead and maximum throughput, against sims that do not wait.
-    fleet.set_time_scale(client, 0.0).await?;
-    if args.overhead_requests > 0 {
+    if sims {
+        fleet.set_time_scale(client, 0.0).await?;
+    }
+    if sims && args.overhead_requests > 0 {
         let scrape = |url: String| {
             let client = client.clone();
             async move {
@@ -357,7 +367,7 @@ async fn measure(
             }
         }
     }
-    if args.throughput_secs > 0.0 {
+    if sims && args.throughput_secs > 0.0 {
         // More than 64 clients can send in the time (about 20,000 requests/s at most here).
         let jobs: Vec<Job> = (0..(args.throughput_secs * 20_000.0) as u64)
             .map(|i| {
@@ -383,9 +393,11 @@ async fn measure(
         requests += driven.samples.len();
         figures.max_rps = Some(ok as f64 / driven.wall.as_secs_f64());
     }
-    fleet
-        .set_time_scale(client, fleet_time_scale(args)?)
-        .await?;
+    if sims {
+        fleet
+            .set_time_scale(client, fleet_time_scale(args)?)
+            .await?;
+    }
     if !launched.router_pids.is_empty() {
         let cpu = systems::cpu_seconds(&launched.router_pids) - cpu_before;
         figures.cpu_ms_per_request = Some(cpu * 1e3 / requests.max(1) as f64);
@@ -398,12 +410,27 @@ fn fleet_time_scale(args: &CompareArgs) -> anyhow::Result<f64> {
 }
 
 /// `prefix-router bench compare`.
-pub async fn compare(args: CompareArgs, router_exe: PathBuf) -> anyhow::Result<Vec<SystemResult>> {
+pub async fn compare(
+    mut args: CompareArgs,
+    router_exe: PathBuf,
+) -> anyhow::Result<Vec<SystemResult>> {
     let client = driver::client();
-    let fleet = if args.sim_url.is_empty() {
-        SimFleet::start(args.sim_servers, fleet::sim_config(&args.sim_args)?).await?
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("cannot create {}", args.out.display()))?;
+    let fleet = if args.fleet == "vllm" {
+        if args.workload.model == workload::DEFAULT_MODEL {
+            args.workload.model = vllm_fleet::MODEL.to_owned();
+        }
+        eprintln!(
+            "starting {} vLLM server(s) (logs in {})",
+            args.vllm.vllm_servers,
+            args.out.join("vllm").display()
+        );
+        BenchFleet::start_vllm(args.vllm.config(&args.out.join("vllm"))).await?
+    } else if args.sim_url.is_empty() {
+        BenchFleet::start(args.sim_servers, fleet::sim_config(&args.sim_args)?).await?
     } else {
-        SimFleet::attach(args.sim_url.clone())
+        BenchFleet::attach(args.sim_url.clone())
     };
     let systems: Vec<System> = if args.systems.is_empty() {
         systems::ALL.to_vec()
@@ -413,11 +440,13 @@ pub async fn compare(args: CompareArgs, router_exe: PathBuf) -> anyhow::Result<V
             .map(|s| System::parse(s))
             .collect::<anyhow::Result<_>>()?
     };
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("cannot create {}", args.out.display()))?;
+
     let ctx = LaunchContext {
         router_exe,
         sims: fleet.urls.clone(),
+        kv_events: fleet.kv_events.clone(),
+        block_size: fleet.block_size,
+        model: args.workload.model.clone(),
         postgres_url: args.postgres_url.clone(),
         replicas: args.router_replicas,
         peers_venv: args.peers_venv.clone(),
@@ -466,7 +495,11 @@ pub async fn compare(args: CompareArgs, router_exe: PathBuf) -> anyhow::Result<V
         report::write(
             &args.out,
             &results,
-            &format!("{workload}: {} sim servers", fleet.urls.len()),
+            &format!(
+                "{workload}: {} {} servers",
+                fleet.urls.len(),
+                if fleet.is_vllm() { "vLLM" } else { "sim" }
+            ),
         )?;
     }
     fleet.shutdown().await;
@@ -478,7 +511,7 @@ pub async fn compare(args: CompareArgs, router_exe: PathBuf) -> anyhow::Result<V
 /// `prefix-router bench run`.
 pub async fn run_one(args: RunArgs) -> anyhow::Result<Figures> {
     let client = driver::client();
-    let fleet = SimFleet::attach(args.sim_url.clone());
+    let fleet = BenchFleet::attach(args.sim_url.clone());
     let before = fleet.counters(&client).await?;
     let jobs = limited_jobs(&args.workload, &args.load)?;
     let total = jobs.iter().map(Job::requests).sum();
@@ -515,8 +548,8 @@ pub async fn run_one(args: RunArgs) -> anyhow::Result<Figures> {
 /// Dispatches `prefix-router bench ...`.
 pub async fn run(args: BenchArgs, router_exe: PathBuf) -> anyhow::Result<()> {
     match args.command {
-        BenchCommand::Run(a) => run_one(a).await.map(|_| ()),
-        BenchCommand::Compare(a) => compare(a, router_exe).await.map(|_| ()),
+        BenchCommand::Run(a) => run_one(*a).await.map(|_| ()),
+        BenchCommand::Compare(a) => compare(*a, router_exe).await.map(|_| ()),
         BenchCommand::VllmFleet { fleet, work_dir } => {
             vllm_fleet::serve_fleet(fleet, work_dir).await
         }

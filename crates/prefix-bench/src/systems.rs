@@ -85,6 +85,12 @@ pub struct LaunchContext {
     /// The `prefix-router` binary.
     pub router_exe: PathBuf,
     pub sims: Vec<String>,
+    /// Real vLLM servers' KV-event publishers (for the oracle), else empty.
+    pub kv_events: Vec<String>,
+    /// Tokens per KV block of the servers.
+    pub block_size: usize,
+    /// The model the workload asks for.
+    pub model: String,
     pub postgres_url: Option<String>,
     pub replicas: usize,
     pub peers_venv: PathBuf,
@@ -311,7 +317,7 @@ impl LaunchContext {
         let log = self.work_dir.join(format!("{name}.log"));
         let child = spawn(&bin, &args, &log)?;
         let url = format!("http://127.0.0.1:{port}");
-        let probe = json!({"model": "sim-model", "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1});
+        let probe = json!({"model": self.model, "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1});
         let ready = wait_until(Duration::from_secs(90), async || {
             client
                 .post(format!("{url}/v1/chat/completions"))
@@ -323,7 +329,7 @@ impl LaunchContext {
         .await;
         if !ready {
             return Err(Skipped(format!(
-                "{name} did not route to the sims (see {})",
+                "{name} did not route to the servers (see {})",
                 log.display()
             )));
         }
@@ -408,8 +414,18 @@ impl LaunchContext {
                 }
             }
             System::Oracle => {
+                let events = if self.kv_events.is_empty() {
+                    None
+                } else {
+                    Some(
+                        crate::oracle::EventView::start(&self.kv_events, self.block_size)
+                            .await
+                            .map_err(|e| Skipped(format!("cannot follow the KV events: {e:#}")))?,
+                    )
+                };
                 oracle = Some(Oracle::new(
                     self.sims.clone(),
+                    events,
                     self.cache_threshold,
                     self.balance_abs,
                     self.balance_rel,

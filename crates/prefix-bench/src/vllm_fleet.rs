@@ -182,9 +182,16 @@ pub async fn python() -> anyhow::Result<PathBuf> {
 /// The model directory: the tiny Llama with its tokenizer, written once by
 /// `scripts/vllm-model.py`.
 pub async fn model_dir(python: &Path, dir: &Path) -> anyhow::Result<PathBuf> {
-    if !dir.join("tokenizer.json").exists() || !dir.join("config.json").exists() {
+    // Written again when the script changes (its hash is kept beside the files).
+    let script = repo_root().join("scripts/vllm-model.py");
+    let version = format!(
+        "{:016x}",
+        xxhash_rust::xxh3::xxh3_64(&std::fs::read(&script).unwrap_or_default())
+    );
+    let stamp = dir.join("written-by");
+    if std::fs::read_to_string(&stamp).ok().as_deref() != Some(version.as_str()) {
         let out = Command::new(python)
-            .arg(repo_root().join("scripts/vllm-model.py"))
+            .arg(&script)
             .arg(dir)
             .envs(offline_env())
             .output()
@@ -200,6 +207,7 @@ pub async fn model_dir(python: &Path, dir: &Path) -> anyhow::Result<PathBuf> {
                     .unwrap_or("")
             );
         }
+        std::fs::write(&stamp, version)?;
     }
     Ok(dir.to_owned())
 }
@@ -233,7 +241,7 @@ impl VllmFleet {
     pub async fn start(config: VllmFleetConfig) -> anyhow::Result<Self> {
         anyhow::ensure!(config.servers > 0, "a fleet needs at least one server");
         anyhow::ensure!(
-            config.block_size % 32 == 0,
+            config.block_size.is_multiple_of(32),
             "vLLM's CPU backend needs a block size that is a multiple of 32"
         );
         anyhow::ensure!(
@@ -368,6 +376,9 @@ fn spawn_server(
         .args(["--num-gpu-blocks-override", &config.num_blocks.to_string()])
         .args(["--max-model-len", &config.max_model_len.to_string()])
         .args(["--enable-prefix-caching", "--enable-prompt-tokens-details"])
+        // The render endpoints, which vllm-router's cache_aware policy calls before every
+        // chat request (403 without this flag on vLLM 0.32); nothing else changes.
+        .arg("--enable-scale-out")
         .args(["--kv-events-config", &kv_events.to_string()])
         .args(&config.extra_args)
         .envs(offline_env())

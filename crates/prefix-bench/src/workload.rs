@@ -43,6 +43,9 @@ impl Api {
     }
 }
 
+/// The simulator's model name.
+pub const DEFAULT_MODEL: &str = "sim-model";
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct WorkloadArgs {
     /// Which workload.
@@ -60,8 +63,8 @@ pub struct WorkloadArgs {
     /// Ask for whole answers instead of streams (TTFT is then the whole latency).
     #[arg(long)]
     pub no_stream: bool,
-    /// Model name in the requests.
-    #[arg(long, default_value = "sim-model")]
+    /// Model name in the requests (with `--fleet vllm`, the fleet's model unless given).
+    #[arg(long, default_value = DEFAULT_MODEL)]
     pub model: String,
     /// Seed of the texts and of the arrival times.
     #[arg(long, default_value_t = 1)]

@@ -8,6 +8,7 @@
 //! Stores: [`MemoryStore`] (fastest, lost on restart), [`SqliteStore`] (embedded, durable),
 //! [`PostgresStore`] (shared by several processes).
 
+pub mod blocks;
 pub mod hashing;
 pub mod memory;
 pub mod postgres;
@@ -17,6 +18,7 @@ pub mod sqlite;
 pub mod store;
 pub mod time;
 
+pub use blocks::{BlockError, BlockHasher, BlockIndex};
 pub use hashing::{PrefixHasher, PrefixHashes, DEFAULT_CHUNK_SIZE};
 pub use memory::MemoryStore;
 pub use postgres::PostgresStore;

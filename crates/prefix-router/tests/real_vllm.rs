@@ -386,3 +386,119 @@ async fn a_vllm_crash_under_load_costs_no_client_error() {
     );
     r.shutdown().await;
 }
+
+/// vLLM's KV-cache events, decoded and indexed by token blocks, say exactly what vLLM then
+/// reports as cached: the ground truth the oracle (and precise routing) stands on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_events_tell_what_vllm_holds() {
+    let Some(fleet) = vllm::shared(SERVERS).await else {
+        return;
+    };
+    if fleet.external {
+        eprintln!("skipping: the KV-event endpoints of a fleet started by hand are not known");
+        return;
+    }
+    let _turn = vllm::TURN.lock().await;
+    let urls = &fleet.urls[..2];
+    let view = prefix_bench::oracle::EventView::start(&fleet.kv_events[..2], 32)
+        .await
+        .unwrap();
+    reset(urls).await;
+    let client = Client::new();
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": words(5, 400)}], "max_tokens": 2});
+    let tokens = prefix_bench::oracle::tokenize(&client, &urls[0], &body)
+        .await
+        .unwrap();
+    assert!(tokens.len() > 256, "{}", tokens.len());
+    assert_eq!(view.cached(&tokens, 2), vec![0, 0]);
+    // Server 1 computes the prompt; its events say it holds it.
+    chat(&urls[1], body["messages"].as_array().unwrap(), 2).await;
+    let expected = (tokens.len() as u64 - 1) / 32 * 32;
+    assert!(
+        eventually(10, || async {
+            view.cached(&tokens, 2) == vec![0, expected]
+        })
+        .await,
+        "{:?} vs {expected}",
+        view.cached(&tokens, 2)
+    );
+    // vLLM's own answer to the same prompt agrees.
+    let again = chat(&urls[1], body["messages"].as_array().unwrap(), 2).await;
+    assert_eq!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"],
+        expected
+    );
+    // A reset clears it. vLLM publishes the AllBlocksCleared event with the next scheduler
+    // step, so a small request follows the reset.
+    reset(urls).await;
+    chat(&urls[1], &[json!({"role": "user", "content": "hi"})], 1).await;
+    assert!(eventually(10, || async { view.cached(&tokens, 2) == vec![0, 0] }).await);
+    assert_eq!(view.skipped.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
+
+/// Requests the router-side tokenizer must turn into exactly vLLM's token ids.
+fn tokenizer_corpus() -> Vec<Value> {
+    let tool = json!({"type": "function", "function": {"name": "get_weather", "description": "Weather at a place", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}});
+    let long = words(11, 3000);
+    vec![
+        json!({"messages": [{"role": "user", "content": "Hello there, how are you?"}]}),
+        json!({"messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name three rivers."},
+            {"role": "assistant", "content": "Nile, Amazon, Danube."},
+            {"role": "user", "content": "And three mountains?"},
+        ]}),
+        json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": " and part two"}]}]}),
+        json!({"messages": [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Paris?"}], "tools": [tool]}),
+        json!({"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool]}),
+        json!({"messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18°C, clear"},
+            {"role": "user", "content": "Thanks!"},
+        ], "tools": [tool]}),
+        json!({"messages": [{"role": "user", "content": "Grüße aus München — 東京 🌸 مرحبا"}]}),
+        json!({"messages": [{"role": "user", "content": long}]}),
+        json!({"messages": [{"role": "user", "name": "alice", "content": "Hi, I'm Alice"}]}),
+        json!({"messages": [{"role": "user", "content": "no generation prompt"}], "add_generation_prompt": false}),
+        json!({"messages": [{"role": "user", "content": "  leading and trailing spaces \n\n"}]}),
+        json!({"messages": [{"role": "user", "content": "<s> looks special </s>"}]}),
+        json!({"prompt": "Once upon a time"}),
+        json!({"prompt": "Grüße 東京 🌸 and some\nnewlines\n"}),
+        json!({"prompt": long}),
+        json!({"prompt": [415, 2936, 9060, 285, 1142]}),
+    ]
+}
+
+/// Our rendering and tokenization (the model's own template and tokenizer files, loaded by
+/// `vllm_protocol::ChatTokenizer`) give vLLM's token ids on every request of the corpus.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn router_side_tokenization_equals_vllms() {
+    let Some(fleet) = vllm::shared(SERVERS).await else {
+        return;
+    };
+    let tokenizer = vllm_protocol::ChatTokenizer::from_dir(&fleet.model_dir).unwrap();
+    let client = Client::new();
+    for body in tokenizer_corpus() {
+        let mut request = body.clone();
+        request["model"] = json!(MODEL);
+        let theirs: Value = client
+            .post(format!("{}/tokenize", fleet.urls[0]))
+            .json(&request)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let theirs: Vec<u32> = serde_json::from_value(theirs["tokens"].clone())
+            .unwrap_or_else(|_| panic!("vLLM's answer to {body}: {theirs}"));
+        let ours = if body.get("messages").is_some() {
+            tokenizer.chat_ids(&body)
+        } else {
+            tokenizer.prompt_ids(&body["prompt"])
+        }
+        .unwrap_or_else(|e| panic!("{body}: {e}"));
+        assert_eq!(ours, theirs, "{body}");
+    }
+}

@@ -54,7 +54,8 @@ pub async fn shared(servers: usize) -> Option<&'static SharedFleet> {
     static FLEET: OnceLock<Result<SharedFleet, String>> = OnceLock::new();
     if let Some(urls) = std::env::var_os("PREFIX_ROUTER_VLLM_URLS") {
         // A fleet started by hand (`prefix-router bench vllm-fleet --vllm-servers 3`), to
-        // iterate without waiting for vLLM to start; crashes are not available on it.
+        // iterate without waiting for vLLM to start; crashes are not available on it. Its
+        // model directory: PREFIX_ROUTER_VLLM_MODEL, else vllm-fleet's default.
         let fleet = FLEET.get_or_init(|| {
             let (crash, _) = mpsc::channel();
             Ok(SharedFleet {
@@ -64,7 +65,13 @@ pub async fn shared(servers: usize) -> Option<&'static SharedFleet> {
                     .map(str::to_owned)
                     .collect(),
                 kv_events: Vec::new(),
-                model_dir: PathBuf::new(),
+                model_dir: std::env::var_os("PREFIX_ROUTER_VLLM_MODEL").map_or_else(
+                    || {
+                        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                            .join("../../target/vllm-fleet/model")
+                    },
+                    PathBuf::from,
+                ),
                 external: true,
                 crash,
             })

@@ -1,0 +1,488 @@
+//! vLLM's KV-cache events, as its ZMQ publisher sends them (`vllm/distributed/kv_events.py`).
+//!
+//! A message is three frames: a topic, an 8-byte big-endian sequence number, and a msgpack
+//! payload: the batch `[ts, events, data_parallel_rank]`. An event is a map with a `"type"`
+//! key (vLLM ≥ 0.26) or, from older vLLM, an array whose first element is that type name and
+//! whose next elements are the fields in declaration order:
+//!
+//! - `BlockStored {block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+//!   lora_name, extra_keys, group_idx, kv_cache_spec_kind, ...}`
+//! - `BlockRemoved {block_hashes, medium, group_idx, ...}`
+//! - `AllBlocksCleared {}`
+//!
+//! Block hashes are ints or bytes. Decoding never panics: a malformed batch is an error, an
+//! unknown or malformed event inside a good batch is skipped and reported.
+
+use rmpv::Value;
+
+/// A block hash as vLLM published it, as a key: an int as is, bytes by their xxh3 (vLLM's hashes
+/// are not reproduced here, only matched).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ExternalHash(pub u64);
+
+/// Blocks a server has just cached.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockStored {
+    pub block_hashes: Vec<ExternalHash>,
+    /// The block before the first of these (None: they start a prompt).
+    pub parent: Option<ExternalHash>,
+    /// `block_size` tokens per block, in order.
+    pub token_ids: Vec<u32>,
+    pub block_size: u32,
+    /// The LoRA adapter (its name, else its id): blocks of different adapters never match.
+    pub lora: Option<String>,
+    /// `"GPU"` for the prefix cache; other media are offloading tiers.
+    pub medium: Option<String>,
+    /// Whether any block's hash has extra keys (images, cache salt, prompt embeddings): such
+    /// blocks cannot be matched from token ids alone.
+    pub extra_keys: bool,
+    pub group_idx: Option<u32>,
+}
+
+/// Blocks a server has evicted.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockRemoved {
+    pub block_hashes: Vec<ExternalHash>,
+    pub medium: Option<String>,
+    pub group_idx: Option<u32>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum KvEvent {
+    Stored(BlockStored),
+    Removed(BlockRemoved),
+    /// The server's prefix cache was emptied (e.g. `/reset_prefix_cache`).
+    AllCleared,
+}
+
+/// One published batch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EventBatch {
+    /// The publisher's clock (unix seconds).
+    pub ts: f64,
+    pub events: Vec<KvEvent>,
+    pub data_parallel_rank: Option<u32>,
+    /// Events that could not be read (unknown type, wrong field types), skipped.
+    pub skipped: Vec<EventError>,
+}
+
+/// Why a message or an event could not be read.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum EventError {
+    #[error("a message has {0} frames, not 3 (topic, sequence, payload)")]
+    Frames(usize),
+    #[error("the sequence frame has {0} bytes, not 8")]
+    Sequence(usize),
+    #[error("the payload is not msgpack: {0}")]
+    Msgpack(String),
+    #[error("the batch is not [ts, events, dp_rank]: {0}")]
+    Batch(&'static str),
+    #[error("unknown event type {0:?}")]
+    UnknownType(String),
+    #[error("event {kind}: field {field} {problem}")]
+    Field {
+        kind: &'static str,
+        field: &'static str,
+        problem: &'static str,
+    },
+    #[error("an event is neither a map nor a tagged array")]
+    Shape,
+}
+
+/// A decoded message: its topic, sequence number and batch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EventMessage {
+    pub topic: Vec<u8>,
+    pub seq: u64,
+    pub batch: EventBatch,
+}
+
+/// Decodes the three frames of one ZMQ message.
+pub fn decode_message(frames: &[&[u8]]) -> Result<EventMessage, EventError> {
+    let [topic, seq, payload] = frames else {
+        return Err(EventError::Frames(frames.len()));
+    };
+    let seq: [u8; 8] = (*seq)
+        .try_into()
+        .map_err(|_| EventError::Sequence(seq.len()))?;
+    Ok(EventMessage {
+        topic: topic.to_vec(),
+        seq: u64::from_be_bytes(seq),
+        batch: decode_batch(payload)?,
+    })
+}
+
+/// Nesting deeper than this is no batch of vLLM's (its deepest is extra_keys' tuples).
+const MAX_DEPTH: usize = 16;
+
+/// Decodes one msgpack payload.
+pub fn decode_batch(mut payload: &[u8]) -> Result<EventBatch, EventError> {
+    let value = rmpv::decode::read_value_with_max_depth(&mut payload, MAX_DEPTH)
+        .map_err(|e| EventError::Msgpack(e.to_string()))?;
+    let Value::Array(parts) = value else {
+        return Err(EventError::Batch("not an array"));
+    };
+    let ts = match parts.first() {
+        Some(Value::F64(t)) => *t,
+        Some(Value::F32(t)) => f64::from(*t),
+        Some(Value::Integer(i)) => i.as_f64().unwrap_or(0.0),
+        _ => return Err(EventError::Batch("no timestamp")),
+    };
+    let Some(Value::Array(raw_events)) = parts.get(1) else {
+        return Err(EventError::Batch("no list of events"));
+    };
+    let data_parallel_rank = parts.get(2).and_then(as_u32);
+    let mut events = Vec::with_capacity(raw_events.len());
+    let mut skipped = Vec::new();
+    for raw in raw_events {
+        match decode_event(raw) {
+            Ok(e) => events.push(e),
+            Err(e) => skipped.push(e),
+        }
+    }
+    Ok(EventBatch {
+        ts,
+        events,
+        data_parallel_rank,
+        skipped,
+    })
+}
+
+/// The fields of one event, by name, whichever of vLLM's two shapes it came in.
+struct Fields<'a> {
+    kind: &'static str,
+    map: Option<&'a [(Value, Value)]>,
+    array: &'a [Value],
+}
+
+/// Field order of the array shape, after the tag.
+const STORED_ORDER: [&str; 7] = [
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+];
+const REMOVED_ORDER: [&str; 2] = ["block_hashes", "medium"];
+
+impl<'a> Fields<'a> {
+    fn get(&self, name: &str) -> Option<&'a Value> {
+        let value = match self.map {
+            Some(map) => map
+                .iter()
+                .find(|(k, _)| k.as_str() == Some(name))
+                .map(|(_, v)| v),
+            None => {
+                let order: &[&str] = match self.kind {
+                    "BlockStored" => &STORED_ORDER,
+                    "BlockRemoved" => &REMOVED_ORDER,
+                    _ => &[],
+                };
+                let i = order.iter().position(|f| *f == name)?;
+                self.array.get(i + 1)
+            }
+        };
+        value.filter(|v| !v.is_nil())
+    }
+
+    fn error(&self, field: &'static str, problem: &'static str) -> EventError {
+        EventError::Field {
+            kind: self.kind,
+            field,
+            problem,
+        }
+    }
+
+    fn hashes(&self, field: &'static str) -> Result<Vec<ExternalHash>, EventError> {
+        match self.get(field) {
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| hash(v).ok_or_else(|| self.error(field, "holds a value that is no hash")))
+                .collect(),
+            _ => Err(self.error(field, "is missing or not a list")),
+        }
+    }
+
+    fn string(&self, field: &'static str) -> Option<String> {
+        match self.get(field)? {
+            Value::String(s) => s.as_str().map(str::to_owned),
+            Value::Integer(i) => Some(i.to_string()),
+            _ => None,
+        }
+    }
+}
+
+fn as_u32(v: &Value) -> Option<u32> {
+    v.as_u64().and_then(|n| u32::try_from(n).ok())
+}
+
+fn hash(v: &Value) -> Option<ExternalHash> {
+    match v {
+        // Python ints: vLLM's are 64-bit, taken modulo 2^64 when negative.
+        Value::Integer(i) => i
+            .as_u64()
+            .or_else(|| i.as_i64().map(|n| n as u64))
+            .map(ExternalHash),
+        Value::Binary(b) => Some(ExternalHash(xxhash_rust::xxh3::xxh3_64(b))),
+        _ => None,
+    }
+}
+
+fn kind_of(name: &str) -> Option<&'static str> {
+    ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+        .into_iter()
+        .find(|k| *k == name)
+}
+
+fn decode_event(raw: &Value) -> Result<KvEvent, EventError> {
+    let (name, fields) = match raw {
+        Value::Map(map) => {
+            let name = map
+                .iter()
+                .find(|(k, _)| k.as_str() == Some("type"))
+                .and_then(|(_, v)| v.as_str())
+                .ok_or(EventError::Shape)?;
+            (name, (Some(map.as_slice()), &[][..]))
+        }
+        Value::Array(items) => {
+            let name = items
+                .first()
+                .and_then(Value::as_str)
+                .ok_or(EventError::Shape)?;
+            (name, (None, items.as_slice()))
+        }
+        _ => return Err(EventError::Shape),
+    };
+    let kind =
+        kind_of(name).ok_or_else(|| EventError::UnknownType(name.chars().take(64).collect()))?;
+    let f = Fields {
+        kind,
+        map: fields.0,
+        array: fields.1,
+    };
+    match kind {
+        "BlockStored" => {
+            let block_hashes = f.hashes("block_hashes")?;
+            let parent = match f.get("parent_block_hash") {
+                None => None,
+                Some(v) => Some(hash(v).ok_or_else(|| f.error("parent_block_hash", "is no hash"))?),
+            };
+            let token_ids = match f.get("token_ids") {
+                Some(Value::Array(ids)) => ids
+                    .iter()
+                    .map(|v| {
+                        as_u32(v).ok_or_else(|| {
+                            f.error("token_ids", "holds a value that is no token id")
+                        })
+                    })
+                    .collect::<Result<Vec<u32>, _>>()?,
+                _ => return Err(f.error("token_ids", "is missing or not a list")),
+            };
+            let block_size = f
+                .get("block_size")
+                .and_then(as_u32)
+                .filter(|&b| b > 0)
+                .ok_or_else(|| f.error("block_size", "is missing or not a positive integer"))?;
+            let extra_keys = match f.get("extra_keys") {
+                Some(Value::Array(keys)) => keys.iter().any(|k| !k.is_nil()),
+                _ => false,
+            };
+            Ok(KvEvent::Stored(BlockStored {
+                block_hashes,
+                parent,
+                token_ids,
+                block_size,
+                lora: f.string("lora_name").or_else(|| f.string("lora_id")),
+                medium: f.string("medium"),
+                extra_keys,
+                group_idx: f.get("group_idx").and_then(as_u32),
+            }))
+        }
+        "BlockRemoved" => Ok(KvEvent::Removed(BlockRemoved {
+            block_hashes: f.hashes("block_hashes")?,
+            medium: f.string("medium"),
+            group_idx: f.get("group_idx").and_then(as_u32),
+        })),
+        _ => Ok(KvEvent::AllCleared),
+    }
+}
+
+/// Encodes a batch as vLLM ≥ 0.26 does (events as maps with `"type"`): what the simulator
+/// publishes, so that it speaks vLLM's wire format.
+pub fn encode_batch(batch: &EventBatch) -> Vec<u8> {
+    let s = |x: &str| Value::from(x);
+    let hashes = |h: &[ExternalHash]| Value::Array(h.iter().map(|h| Value::from(h.0)).collect());
+    let opt = |o: &Option<String>| o.as_deref().map_or(Value::Nil, Value::from);
+    let events = batch
+        .events
+        .iter()
+        .map(|e| match e {
+            KvEvent::Stored(b) => Value::Map(vec![
+                (s("type"), s("BlockStored")),
+                (s("block_hashes"), hashes(&b.block_hashes)),
+                (
+                    s("parent_block_hash"),
+                    b.parent.map_or(Value::Nil, |p| Value::from(p.0)),
+                ),
+                (
+                    s("token_ids"),
+                    Value::Array(b.token_ids.iter().map(|&t| Value::from(t)).collect()),
+                ),
+                (s("block_size"), Value::from(b.block_size)),
+                (s("lora_id"), Value::Nil),
+                (s("medium"), opt(&b.medium)),
+                (s("lora_name"), opt(&b.lora)),
+                (
+                    s("extra_keys"),
+                    Value::Array(vec![Value::Nil; b.block_hashes.len()]),
+                ),
+                (s("group_idx"), b.group_idx.map_or(Value::Nil, Value::from)),
+                (s("kv_cache_spec_kind"), s("full_attention")),
+            ]),
+            KvEvent::Removed(b) => Value::Map(vec![
+                (s("type"), s("BlockRemoved")),
+                (s("block_hashes"), hashes(&b.block_hashes)),
+                (s("medium"), opt(&b.medium)),
+                (s("group_idx"), b.group_idx.map_or(Value::Nil, Value::from)),
+            ]),
+            KvEvent::AllCleared => Value::Map(vec![(s("type"), s("AllBlocksCleared"))]),
+        })
+        .collect();
+    let value = Value::Array(vec![
+        Value::F64(batch.ts),
+        Value::Array(events),
+        batch.data_parallel_rank.map_or(Value::Nil, Value::from),
+    ]);
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, &value).expect("writing to a Vec cannot fail");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A batch captured from vLLM 0.32 (CPU build, block size 32): one BlockStored of three
+    /// blocks for a 100-token prompt.
+    const VLLM_0_32_BATCH: &str = "93cb41dac460947059a9918ba474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657393cf9eb5354dc09556b7cf716126dd596330facf513b";
+
+    fn unhex(s: &str) -> Vec<u8> {
+        (0..s.len() / 2)
+            .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap())
+            .collect()
+    }
+
+    fn stored(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>) -> BlockStored {
+        BlockStored {
+            block_hashes: hashes.iter().map(|&h| ExternalHash(h)).collect(),
+            parent: parent.map(ExternalHash),
+            token_ids: tokens,
+            block_size: 2,
+            lora: None,
+            medium: Some("GPU".into()),
+            extra_keys: false,
+            group_idx: Some(0),
+        }
+    }
+
+    #[test]
+    fn a_captured_prefix_is_a_map_shaped_batch() {
+        // The capture is cut after the first hashes: decoding it must fail cleanly.
+        let err = decode_batch(&unhex(VLLM_0_32_BATCH)).unwrap_err();
+        assert!(matches!(err, EventError::Msgpack(_)), "{err}");
+    }
+
+    #[test]
+    fn map_shaped_batches_round_trip() {
+        let batch = EventBatch {
+            ts: 1.5,
+            events: vec![
+                KvEvent::Stored(stored(&[1, 2], None, vec![5, 6, 7, 8])),
+                KvEvent::Stored(stored(&[3], Some(2), vec![9, 10])),
+                KvEvent::Removed(BlockRemoved {
+                    block_hashes: vec![ExternalHash(3)],
+                    medium: Some("GPU".into()),
+                    group_idx: None,
+                }),
+                KvEvent::AllCleared,
+            ],
+            data_parallel_rank: Some(0),
+            skipped: vec![],
+        };
+        assert_eq!(decode_batch(&encode_batch(&batch)).unwrap(), batch);
+    }
+
+    #[test]
+    fn tagged_arrays_from_older_vllm_decode() {
+        let v = Value::Array(vec![
+            Value::F64(2.0),
+            Value::Array(vec![
+                Value::Array(vec![
+                    Value::from("BlockStored"),
+                    Value::Array(vec![Value::Binary(vec![1, 2, 3]), Value::from(-5i64)]),
+                    Value::Nil,
+                    Value::Array((0..4u32).map(Value::from).collect()),
+                    Value::from(2u32),
+                    Value::Nil,
+                ]),
+                Value::Array(vec![
+                    Value::from("BlockRemoved"),
+                    Value::Array(vec![Value::from(7u64)]),
+                ]),
+                Value::Array(vec![Value::from("AllBlocksCleared")]),
+            ]),
+        ]);
+        let mut bytes = Vec::new();
+        rmpv::encode::write_value(&mut bytes, &v).unwrap();
+        let batch = decode_batch(&bytes).unwrap();
+        assert_eq!(batch.events.len(), 3, "{:?}", batch.skipped);
+        let KvEvent::Stored(s) = &batch.events[0] else {
+            panic!()
+        };
+        assert_eq!(
+            s.block_hashes[0],
+            ExternalHash(xxhash_rust::xxh3::xxh3_64(&[1, 2, 3]))
+        );
+        assert_eq!(s.block_hashes[1], ExternalHash(-5i64 as u64));
+        assert_eq!((s.token_ids.len(), s.block_size, s.parent), (4, 2, None));
+        assert_eq!(batch.events[2], KvEvent::AllCleared);
+    }
+
+    #[test]
+    fn bad_events_are_skipped_and_bad_batches_refused() {
+        let v = Value::Array(vec![
+            Value::F64(2.0),
+            Value::Array(vec![
+                Value::Map(vec![(Value::from("type"), Value::from("Bogus"))]),
+                Value::Map(vec![
+                    (Value::from("type"), Value::from("BlockStored")),
+                    (Value::from("block_hashes"), Value::from("no")),
+                ]),
+                Value::from(5),
+                Value::Map(vec![(Value::from("type"), Value::from("AllBlocksCleared"))]),
+            ]),
+            Value::Nil,
+        ]);
+        let mut bytes = Vec::new();
+        rmpv::encode::write_value(&mut bytes, &v).unwrap();
+        let batch = decode_batch(&bytes).unwrap();
+        assert_eq!(batch.events, vec![KvEvent::AllCleared]);
+        assert_eq!(batch.skipped.len(), 3);
+        for bad in [&b""[..], b"\x90", b"\x92\xa1x\x90", b"\xdd\xff\xff\xff\xff"] {
+            assert!(decode_batch(bad).is_err());
+        }
+        assert_eq!(
+            decode_message(&[b"", b"\x00\x01", b""]).unwrap_err(),
+            EventError::Sequence(2)
+        );
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn decoding_never_panics(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..256)) {
+            let _ = decode_batch(&bytes);
+        }
+    }
+}

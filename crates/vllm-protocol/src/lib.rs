@@ -1,0 +1,20 @@
+//! vLLM's wire formats, shared by the router (to read a backend's KV-cache events) and the
+//! simulator (to publish them): it knows vLLM, not routing.
+//!
+//! - [`events`]: KV-cache event batches (msgpack) and the three-frame ZMQ messages carrying
+//!   them, decoded leniently and never with a panic.
+//! - [`subscriber`]: a ZMQ SUB connection to one publisher, reconnecting when it goes away.
+//! - [`tokenizer`]: a request's token ids exactly as vLLM computes them (chat template and
+//!   tokenizer of the model), or an error where that cannot be reproduced.
+#![forbid(unsafe_code)]
+
+pub mod events;
+pub mod subscriber;
+pub mod tokenizer;
+
+pub use events::{
+    decode_batch, decode_message, encode_batch, BlockRemoved, BlockStored, EventBatch, EventError,
+    EventMessage, ExternalHash, KvEvent,
+};
+pub use subscriber::Subscriber;
+pub use tokenizer::{ChatTokenizer, TokenizeError};
