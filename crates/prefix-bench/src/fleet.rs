@@ -46,6 +46,7 @@ pub struct BenchFleet {
 enum Owned {
     Sims(Fleet),
     Vllm(crate::vllm_fleet::VllmFleet),
+    AttachedVllm,
     Nothing,
 }
 
@@ -88,6 +89,16 @@ impl BenchFleet {
         })
     }
 
+    /// Uses real vLLM servers that are already running (described by `bench vllm-fleet`).
+    pub fn attach_vllm(file: &crate::vllm_fleet::FleetFile) -> Self {
+        Self {
+            urls: file.urls.clone(),
+            kv_events: file.kv_events.clone(),
+            block_size: file.block_size,
+            owned: Owned::AttachedVllm,
+        }
+    }
+
     /// Uses sims that are already running.
     pub fn attach(urls: Vec<String>) -> Self {
         Self {
@@ -103,7 +114,7 @@ impl BenchFleet {
 
     /// True for real vLLM servers (no `/sim/*` controls: no time scale, no probes).
     pub fn is_vllm(&self) -> bool {
-        matches!(self.owned, Owned::Vllm(_))
+        matches!(self.owned, Owned::Vllm(_) | Owned::AttachedVllm)
     }
 
     pub async fn counters(&self, client: &reqwest::Client) -> anyhow::Result<Counters> {
@@ -168,7 +179,7 @@ impl BenchFleet {
         match self.owned {
             Owned::Sims(fleet) => fleet.shutdown().await,
             Owned::Vllm(fleet) => fleet.stop().await,
-            Owned::Nothing => {}
+            Owned::AttachedVllm | Owned::Nothing => {}
         }
     }
 }

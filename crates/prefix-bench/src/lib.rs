@@ -421,12 +421,17 @@ pub async fn compare(
         if args.workload.model == workload::DEFAULT_MODEL {
             args.workload.model = vllm_fleet::MODEL.to_owned();
         }
-        eprintln!(
-            "starting {} vLLM server(s) (logs in {})",
-            args.vllm.vllm_servers,
-            args.out.join("vllm").display()
-        );
-        BenchFleet::start_vllm(args.vllm.config(&args.out.join("vllm"))).await?
+        match &args.vllm.vllm_fleet_file {
+            Some(file) => BenchFleet::attach_vllm(&vllm_fleet::FleetFile::read(file)?),
+            None => {
+                eprintln!(
+                    "starting {} vLLM server(s) (logs in {})",
+                    args.vllm.vllm_servers,
+                    args.out.join("vllm").display()
+                );
+                BenchFleet::start_vllm(args.vllm.config(&args.out.join("vllm"))).await?
+            }
+        }
     } else if args.sim_url.is_empty() {
         BenchFleet::start(args.sim_servers, fleet::sim_config(&args.sim_args)?).await?
     } else {

@@ -69,6 +69,10 @@ pub struct VllmFleetArgs {
     /// More vLLM flags for every server, space-separated.
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     pub vllm_args: String,
+    /// Use the running fleet described in this file (by `bench vllm-fleet`) instead of
+    /// starting one.
+    #[arg(long)]
+    pub vllm_fleet_file: Option<PathBuf>,
 }
 
 impl VllmFleetArgs {
@@ -98,7 +102,21 @@ pub async fn serve_fleet(args: VllmFleetArgs, work_dir: PathBuf) -> anyhow::Resu
         args.vllm_servers
     );
     let fleet = VllmFleet::start(args.config(&work_dir)).await?;
+    let description = work_dir.join("fleet.json");
+    std::fs::write(
+        &description,
+        serde_json::to_string_pretty(&FleetFile {
+            urls: fleet.urls(),
+            kv_events: fleet.servers.iter().map(|s| s.kv_events.clone()).collect(),
+            model_dir: fleet.model_dir.clone(),
+            block_size: fleet.config.block_size,
+        })?,
+    )?;
     println!("model: {MODEL} ({})", fleet.model_dir.display());
+    println!(
+        "fleet description (for bench compare --vllm-fleet-file): {}",
+        description.display()
+    );
     for (i, server) in fleet.servers.iter().enumerate() {
         println!(
             "vllm server {i}: {}   kv events: {}   log: {}",
@@ -125,6 +143,29 @@ async fn wait_for_signal() {
         Err(_) => {
             let _ = tokio::signal::ctrl_c().await;
         }
+    }
+}
+
+/// A running fleet as `bench vllm-fleet` describes it in `fleet.json`, so that benchmarks can
+/// use it without starting their own.
+#[derive(serde::Serialize, serde::Deserialize, Debug, Clone)]
+pub struct FleetFile {
+    pub urls: Vec<String>,
+    pub kv_events: Vec<String>,
+    pub model_dir: PathBuf,
+    pub block_size: usize,
+}
+
+impl FleetFile {
+    pub fn read(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path).with_context(|| {
+            format!(
+                "cannot read {} (written by bench vllm-fleet)",
+                path.display()
+            )
+        })?;
+        serde_json::from_str(&text)
+            .with_context(|| format!("{} is not a fleet description", path.display()))
     }
 }
 

@@ -451,6 +451,7 @@ fn tokenizer_corpus() -> Vec<Value> {
         json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": " and part two"}]}]}),
         json!({"messages": [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Paris?"}], "tools": [tool]}),
         json!({"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool]}),
+        json!({"messages": [{"role": "user", "content": "Weather?"}], "tools": [{"type": "function", "function": {"parameters": {"type": "object"}, "name": "bare"}}]}),
         json!({"messages": [
             {"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
@@ -468,6 +469,49 @@ fn tokenizer_corpus() -> Vec<Value> {
         json!({"prompt": long}),
         json!({"prompt": [415, 2936, 9060, 285, 1142]}),
     ]
+    .into_iter()
+    .chain((0..40).map(|i| json!({"prompt": awkward_text(i)})))
+    .collect()
+}
+
+/// Text with what tokenizers split differently: runs of spaces, tabs and newlines, code,
+/// punctuation, digits, non-Latin scripts and emoji.
+fn awkward_text(seed: u64) -> String {
+    const PIECES: [&str; 24] = [
+        " ",
+        "  ",
+        "    ",
+        "\t",
+        "\n",
+        "\n\n",
+        " \n ",
+        "fn main() {",
+        "}",
+        "x = 1;",
+        "==",
+        "->",
+        "naïve",
+        "東京",
+        "🌸",
+        "مرحبا",
+        "12345",
+        "3.14",
+        "...",
+        "'s",
+        "—",
+        "river",
+        "Stone",
+        "ABC",
+    ];
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..60)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            PIECES[(s % PIECES.len() as u64) as usize]
+        })
+        .collect()
 }
 
 /// Our rendering and tokenization (the model's own template and tokenizer files, loaded by
@@ -482,6 +526,12 @@ async fn router_side_tokenization_equals_vllms() {
     for body in tokenizer_corpus() {
         let mut request = body.clone();
         request["model"] = json!(MODEL);
+        if body["prompt"].is_array() {
+            // vLLM takes token-id prompts as they are (its /tokenize has no such form).
+            let ids: Vec<u32> = serde_json::from_value(body["prompt"].clone()).unwrap();
+            assert_eq!(tokenizer.prompt_ids(&body["prompt"]).unwrap(), ids);
+            continue;
+        }
         let theirs: Value = client
             .post(format!("{}/tokenize", fleet.urls[0]))
             .json(&request)
@@ -501,4 +551,178 @@ async fn router_side_tokenization_equals_vllms() {
         .unwrap_or_else(|e| panic!("{body}: {e}"));
         assert_eq!(ours, theirs, "{body}");
     }
+}
+
+/// The simulator with the model's tokenizer (`--tokenizer`) and vLLM's block size counts
+/// prompt and cached tokens exactly as vLLM does, request by request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sim_with_vllms_tokenizer_counts_tokens_as_vllm() {
+    let Some(fleet) = vllm::shared(SERVERS).await else {
+        return;
+    };
+    let _turn = vllm::TURN.lock().await;
+    let server = fleet.urls[0].clone();
+    let sims = common::fleet(
+        vllm_sim::SimConfig {
+            model: MODEL.into(),
+            block_size: 32,
+            kv_blocks: 512,
+            tokenizer: Some(fleet.model_dir.clone()),
+            ..common::instant()
+        },
+        1,
+    )
+    .await;
+    let sim = sims.urls()[0].clone();
+    let client = Client::new();
+    for body in tokenizer_corpus() {
+        if body["prompt"].is_array() {
+            continue;
+        }
+        let mut request = body.clone();
+        request["model"] = json!(MODEL);
+        let mut counts = Vec::new();
+        for base in [&server, &sim] {
+            let v: Value = client
+                .post(format!("{base}/tokenize"))
+                .json(&request)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            counts.push(v["tokens"].clone());
+        }
+        assert_eq!(counts[0], counts[1], "{body}");
+    }
+    // The same requests, one at a time, on empty caches: equal usage, cached tokens included.
+    reset(std::slice::from_ref(&server)).await;
+    client
+        .post(format!("{sim}/sim/reset"))
+        .send()
+        .await
+        .unwrap();
+    let system = words(21, 500);
+    for i in 0..6u64 {
+        let messages = [
+            json!({"role": "system", "content": system}),
+            json!({"role": "user", "content": words(300 + i % 3, 40)}),
+        ];
+        let theirs = chat(&server, &messages, 1).await;
+        let ours = chat(&sim, &messages, 1).await;
+        for key in ["prompt_tokens", "prompt_tokens_details"] {
+            let field = |v: &Value| {
+                let mut f = v["usage"][key].clone();
+                if let Some(o) = f.as_object_mut() {
+                    o.retain(|k, _| k == "cached_tokens");
+                }
+                f
+            };
+            assert_eq!(field(&ours), field(&theirs), "request {i}: {key}");
+        }
+    }
+    sims.shutdown().await;
+}
+
+/// Japanese text of about `bytes` bytes (vLLM's tokenizer here gives ~2.6 bytes a token, far
+/// from the 4 the router assumes before it learns).
+fn japanese(seed: u64, bytes: usize) -> String {
+    const PHRASES: [&str; 12] = [
+        "東京の天気は晴れです。",
+        "明日も良い天気でしょう。",
+        "駅までは歩いて十分です。",
+        "新しい本を買いました。",
+        "会議は午後三時からです。",
+        "猫が窓の外を見ています。",
+        "富士山はとても高い山です。",
+        "日曜日に友達と映画を見ました。",
+        "この料理はとても美味しい。",
+        "電車が少し遅れています。",
+        "図書館は九時に開きます。",
+        "春には桜が咲きます。",
+    ];
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = String::new();
+    while out.len() < bytes {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        out.push_str(PHRASES[(s % 12) as usize]);
+    }
+    out
+}
+
+/// The index is sized from vLLM's real tokens per byte: after some answers (streamed with usage
+/// and not), the router's capacity for a backend is within 20% of the request text vLLM's
+/// cache really holds, where the fixed 4 bytes a token is far off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_index_capacity_follows_vllms_bytes_per_token() {
+    let Some(fleet) = vllm::shared(SERVERS).await else {
+        return;
+    };
+    let _turn = vllm::TURN.lock().await;
+    let server = fleet.urls[0].clone();
+    let (r, gw) = vllm_router(
+        std::slice::from_ref(&server),
+        &["--metrics-interval", "200ms"],
+    )
+    .await;
+    let client = Client::new();
+    let (mut bytes, mut tokens) = (0u64, 0u64);
+    for i in 0..16u64 {
+        let prompt = japanese(i, 1500);
+        let stream = i % 2 == 1;
+        let mut body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1, "stream": stream});
+        if stream {
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        let resp = client
+            .post(format!("{}/v1/completions", r.url()))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        resp.bytes().await.unwrap();
+        let counted: Value = client
+            .post(format!("{server}/tokenize"))
+            .json(&json!({"model": MODEL, "prompt": prompt}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        // The router's request string: the model name, a newline, the prompt.
+        bytes += (MODEL.len() + 1 + prompt.len()) as u64;
+        tokens += counted["count"].as_u64().unwrap();
+    }
+    let true_ratio = bytes as f64 / tokens as f64;
+    let cache_tokens = 512.0 * 32.0;
+    let truth = cache_tokens * true_ratio / 128.0;
+    let backend = gw.fleet.all()[0].clone();
+    let capacity = || backend.capacity.load(std::sync::atomic::Ordering::Relaxed) as f64;
+    let assumed = cache_tokens * 4.0 / 128.0;
+    eprintln!(
+        "bytes per token: true {true_ratio:.2}, learned {:.2}; capacity: true {truth:.0} chunks, \
+         assumed at 4 bytes/token {assumed:.0}",
+        backend.bytes_per_token()
+    );
+    assert!(
+        eventually(10, || async { (capacity() - truth).abs() / truth <= 0.2 }).await,
+        "learned capacity {} vs {truth:.0}",
+        capacity()
+    );
+    eprintln!(
+        "capacity learned: {:.0} chunks ({:+.1}% of the truth; assumed {:+.1}%)",
+        capacity(),
+        (capacity() - truth) / truth * 100.0,
+        (assumed - truth) / truth * 100.0
+    );
+    assert!(
+        (assumed - truth).abs() / truth > 0.2,
+        "the workload must be far from 4 bytes a token"
+    );
+    r.shutdown().await;
 }

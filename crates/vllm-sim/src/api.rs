@@ -229,14 +229,10 @@ struct Started {
 impl Run {
     async fn start(&self, prompt: &[TokenId]) -> Result<Started, SimError> {
         let engine = &self.server.engine;
-        let answer = tokens::answer(prompt, engine.config.seed, &self.req.limits);
+        let text = &engine.config.text;
+        let answer = tokens::answer(prompt, engine.config.seed, &self.req.limits, text.words());
         let mut sequence = prompt.to_vec();
-        sequence.extend(
-            answer
-                .tokens
-                .iter()
-                .map(|w| tokens::tokenize(w.as_bytes())[0]),
-        );
+        sequence.extend(answer.word_indexes.iter().map(|&i| text.word_id(i)));
         let job = Job {
             block_hashes: block_hashes(&sequence, engine.config.block_size),
             prompt_tokens: prompt.len(),
@@ -549,7 +545,12 @@ async fn embeddings(State(server): State<Server>, body: Bytes) -> Response {
         .iter()
         .enumerate()
         .map(|(index, text)| {
-            tokens_used += tokens::tokenize(text.as_bytes()).len();
+            tokens_used += server
+                .engine
+                .config
+                .text
+                .prompt(text)
+                .map_or(0, |ids| ids.len());
             let h = xxhash_rust::xxh3::xxh3_64(text.as_bytes());
             let embedding: Vec<f64> = (0..8)
                 .map(|i| ((h >> (i * 8)) & 0xff) as f64 / 255.0 - 0.5)
@@ -585,7 +586,7 @@ async fn tokenize(State(server): State<Server>, body: Bytes) -> Response {
     }
 }
 
-async fn detokenize(State(_): State<Server>, body: Bytes) -> Response {
+async fn detokenize(State(server): State<Server>, body: Bytes) -> Response {
     let value = match parse_json(&body) {
         Ok(v) => v,
         Err(e) => return e.into_response(),
@@ -595,7 +596,9 @@ async fn detokenize(State(_): State<Server>, body: Bytes) -> Response {
         .and_then(Value::as_array)
         .and_then(|items| items.iter().map(Value::as_u64).collect());
     match ids {
-        Some(ids) => Json(json!({"prompt": tokens::detokenize(&ids)})).into_response(),
+        Some(ids) => {
+            Json(json!({"prompt": server.engine.config.text.detokenize(&ids)})).into_response()
+        }
         None => SimError::bad_request("`tokens` must be a list of token ids").into_response(),
     }
 }

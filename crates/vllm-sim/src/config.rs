@@ -46,6 +46,15 @@ pub struct SimConfig {
     /// otherwise); health, metrics and the rest stay open.
     #[arg(long, env = "VLLM_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// A model directory (`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`,
+    /// the files vLLM loads): tokenize and render chat with them, so that token ids, block
+    /// boundaries and usage equal vLLM's. Without it, 4 bytes a token and a ChatML-like
+    /// template.
+    #[arg(long)]
+    pub tokenizer: Option<std::path::PathBuf>,
+    /// The text model loaded from `tokenizer` (by [`SimConfig::load`]).
+    #[arg(skip)]
+    pub text: crate::text::TextModel,
 }
 
 impl Default for SimConfig {
@@ -84,6 +93,15 @@ impl SimConfig {
             "--fail-rate must be within 0..1"
         );
         Ok(())
+    }
+
+    /// Checks the settings and loads the tokenizer, if one is named.
+    pub fn load(mut self) -> anyhow::Result<Self> {
+        self.validate()?;
+        if self.tokenizer.is_some() && matches!(self.text, crate::text::TextModel::Bytes) {
+            self.text = crate::text::TextModel::load(self.tokenizer.as_deref())?;
+        }
+        Ok(self)
     }
 
     /// Simulated time to prefill `uncached` tokens.

@@ -12,6 +12,7 @@ pub mod kv_cache;
 pub mod metrics;
 pub mod openai;
 pub mod server;
+pub mod text;
 pub mod tokens;
 
 use std::net::SocketAddr;

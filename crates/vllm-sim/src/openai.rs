@@ -5,7 +5,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 
 use crate::config::SimConfig;
-use crate::tokens::{self, AnswerLimits, TokenId};
+use crate::tokens::{AnswerLimits, TokenId};
 
 /// An error in vLLM's JSON shape: `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug, Clone)]
@@ -119,7 +119,7 @@ pub fn parse(endpoint: Endpoint, body: &Value, config: &SimConfig) -> Result<Gen
         });
     }
     let prompts = match endpoint {
-        Endpoint::Completions => completion_prompts(field(body, "prompt"))?,
+        Endpoint::Completions => completion_prompts(field(body, "prompt"), &config.text)?,
         Endpoint::Chat => {
             let Some(Value::Array(messages)) = field(body, "messages") else {
                 return Err(SimError {
@@ -130,11 +130,7 @@ pub fn parse(endpoint: Endpoint, body: &Value, config: &SimConfig) -> Result<Gen
             if messages.iter().any(|m| !m.is_object()) {
                 return Err(SimError::bad_request("every message must be an object"));
             }
-            let add_generation_prompt = field(body, "add_generation_prompt")
-                .and_then(Value::as_bool)
-                .unwrap_or(true);
-            let text = tokens::render_chat(messages, field(body, "tools"), add_generation_prompt);
-            vec![tokens::tokenize(text.as_bytes())]
+            vec![config.text.chat(body).map_err(SimError::bad_request)?]
         }
     };
     if field(body, "n").and_then(Value::as_u64).unwrap_or(1) != 1 {
@@ -205,7 +201,10 @@ pub fn parse(endpoint: Endpoint, body: &Value, config: &SimConfig) -> Result<Gen
     })
 }
 
-fn completion_prompts(prompt: Option<&Value>) -> Result<Vec<Vec<TokenId>>, SimError> {
+fn completion_prompts(
+    prompt: Option<&Value>,
+    text: &crate::text::TextModel,
+) -> Result<Vec<Vec<TokenId>>, SimError> {
     let invalid = || {
         SimError {
         param: Some("prompt"),
@@ -217,7 +216,7 @@ fn completion_prompts(prompt: Option<&Value>) -> Result<Vec<Vec<TokenId>>, SimEr
     let ids =
         |items: &[Value]| -> Option<Vec<TokenId>> { items.iter().map(Value::as_u64).collect() };
     match prompt {
-        Some(Value::String(s)) => Ok(vec![tokens::tokenize(s.as_bytes())]),
+        Some(Value::String(s)) => Ok(vec![text.prompt(s).map_err(SimError::bad_request)?]),
         Some(Value::Array(items)) if items.is_empty() => Err(invalid()),
         Some(Value::Array(items)) if items.iter().all(Value::is_u64) => {
             Ok(vec![ids(items).ok_or_else(invalid)?])
@@ -225,7 +224,7 @@ fn completion_prompts(prompt: Option<&Value>) -> Result<Vec<Vec<TokenId>>, SimEr
         Some(Value::Array(items)) => items
             .iter()
             .map(|item| match item {
-                Value::String(s) => Ok(tokens::tokenize(s.as_bytes())),
+                Value::String(s) => text.prompt(s).map_err(SimError::bad_request),
                 Value::Array(inner) => ids(inner).ok_or_else(invalid),
                 _ => Err(invalid()),
             })

@@ -135,8 +135,7 @@ impl Fleet {
     /// Starts `n` servers. With a port of 0 in `listen`, each takes a free port; otherwise
     /// they take consecutive ports from it.
     pub async fn start(config: SimConfig, n: usize, listen: SocketAddr) -> anyhow::Result<Self> {
-        config.validate()?;
-        let config = Arc::new(config);
+        let config = Arc::new(config.load()?);
         let mut servers = Vec::with_capacity(n);
         for i in 0..n {
             let addr = if listen.port() == 0 {

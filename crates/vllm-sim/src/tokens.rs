@@ -100,7 +100,7 @@ fn render_content(content: Option<&Value>, out: &mut String) {
 }
 
 /// Four-byte words the generator draws from, so every output token is exactly one word.
-const WORDS: [&str; 32] = [
+pub const WORDS: [&str; 32] = [
     " the", " and", " for", " are", " but", " not", " you", " all", " any", " can", " had", " her",
     " was", " one", " our", " out", " day", " get", " has", " him", " his", " how", " man", " new",
     " now", " old", " see", " two", " way", " who", " its", " say",
@@ -109,6 +109,8 @@ const WORDS: [&str; 32] = [
 /// The answer a prompt gets: deterministic in the prompt and the seed.
 pub struct Answer {
     pub tokens: Vec<&'static str>,
+    /// Which word of the vocabulary each token is.
+    pub word_indexes: Vec<usize>,
     /// True when the answer ended by itself (EOS or a stop string), false when cut at
     /// `max_tokens`.
     pub stopped: bool,
@@ -125,7 +127,12 @@ pub struct AnswerLimits {
 
 /// Generates the answer to `prompt_ids`. Its natural length (where "EOS" falls) is 16 to 271
 /// tokens, drawn from the prompt's hash; `ignore_eos` generates exactly `max_tokens`.
-pub fn answer(prompt_ids: &[TokenId], seed: u64, limits: &AnswerLimits) -> Answer {
+pub fn answer(
+    prompt_ids: &[TokenId],
+    seed: u64,
+    limits: &AnswerLimits,
+    words: &[&'static str],
+) -> Answer {
     let bytes: Vec<u8> = prompt_ids.iter().flat_map(|id| id.to_le_bytes()).collect();
     let mut state = xxh3_64_with_seed(&bytes, seed);
     let natural = 16 + (splitmix(&mut state) % 256) as usize;
@@ -136,10 +143,13 @@ pub fn answer(prompt_ids: &[TokenId], seed: u64, limits: &AnswerLimits) -> Answe
     };
     let count = limits.max_tokens.min(eos_at);
     let mut tokens = Vec::with_capacity(count);
+    let mut word_indexes = Vec::with_capacity(count);
     let mut text = String::new();
     for _ in 0..count {
-        let word = WORDS[(splitmix(&mut state) % WORDS.len() as u64) as usize];
+        let index = (splitmix(&mut state) % words.len() as u64) as usize;
+        let word = words[index];
         tokens.push(word);
+        word_indexes.push(index);
         if !limits.stop.is_empty() && tokens.len() >= limits.min_tokens {
             text.push_str(word);
             if limits
@@ -149,8 +159,10 @@ pub fn answer(prompt_ids: &[TokenId], seed: u64, limits: &AnswerLimits) -> Answe
             {
                 // vLLM drops the token that completed the stop string from the text.
                 tokens.pop();
+                word_indexes.pop();
                 return Answer {
                     tokens,
+                    word_indexes,
                     stopped: true,
                 };
             }
@@ -159,6 +171,7 @@ pub fn answer(prompt_ids: &[TokenId], seed: u64, limits: &AnswerLimits) -> Answe
     Answer {
         stopped: eos_at < limits.max_tokens,
         tokens,
+        word_indexes,
     }
 }
 
@@ -206,8 +219,8 @@ mod tests {
             max_tokens: 1000,
             ..AnswerLimits::default()
         };
-        let a = answer(&prompt, 1, &limits);
-        let b = answer(&prompt, 1, &limits);
+        let a = answer(&prompt, 1, &limits, &WORDS);
+        let b = answer(&prompt, 1, &limits, &WORDS);
         assert_eq!(a.tokens, b.tokens);
         assert!(a.stopped);
         assert!((16..=271).contains(&a.tokens.len()));
@@ -218,6 +231,7 @@ mod tests {
                 max_tokens: 5,
                 ..limits.clone()
             },
+            &WORDS,
         );
         assert_eq!((cut.tokens.len(), cut.stopped), (5, false));
         let forced = answer(
@@ -228,9 +242,10 @@ mod tests {
                 ignore_eos: true,
                 ..limits.clone()
             },
+            &WORDS,
         );
         assert_eq!((forced.tokens.len(), forced.stopped), (300, false));
-        assert_ne!(answer(&prompt, 2, &limits).tokens, a.tokens);
+        assert_ne!(answer(&prompt, 2, &limits, &WORDS).tokens, a.tokens);
     }
 
     #[test]
@@ -244,6 +259,7 @@ mod tests {
                 ignore_eos: true,
                 ..Default::default()
             },
+            &WORDS,
         );
         let third = full.tokens[2].to_string();
         let stopped = answer(
@@ -255,6 +271,7 @@ mod tests {
                 stop: vec![third.clone()],
                 ..Default::default()
             },
+            &WORDS,
         );
         assert!(stopped.stopped);
         assert!(!stopped.tokens.concat().contains(&third));

@@ -92,7 +92,21 @@ pub struct Backend {
     pub routed: AtomicU64,
     /// Requests per second over the last metrics interval, as f64 bits.
     pub qps_bits: AtomicU64,
+    /// Request-string bytes and the prompt tokens the backend reported for them (its answers'
+    /// `usage`), halved now and then so recent requests weigh more: their ratio sizes the
+    /// index to the backend's real cache.
+    usage_bytes: AtomicU64,
+    usage_tokens: AtomicU64,
+    /// The KV cache in tokens (`num_gpu_blocks × block_size` from its metrics), once known.
+    pub cache_tokens: AtomicU64,
 }
+
+/// Bytes of request string per token assumed before a backend's answers tell.
+pub const DEFAULT_BYTES_PER_TOKEN: f64 = 4.0;
+/// Prompt tokens observed before the learned ratio is trusted.
+const MIN_USAGE_TOKENS: u64 = 2_000;
+/// Above this many observed tokens both sums are halved (a moving window of sorts).
+const USAGE_WINDOW_TOKENS: u64 = 2_000_000;
 
 fn authorization(spec: &BackendSpec) -> anyhow::Result<Option<HeaderValue>> {
     spec.api_key
@@ -143,6 +157,9 @@ impl Backend {
             entries: AtomicU64::new(0),
             routed: AtomicU64::new(0),
             qps_bits: AtomicU64::new(0),
+            usage_bytes: AtomicU64::new(0),
+            usage_tokens: AtomicU64::new(0),
+            cache_tokens: AtomicU64::new(0),
             label: spec.url.as_str().into(),
             spec: ArcSwap::from_pointee(spec),
         })
@@ -207,6 +224,31 @@ impl Backend {
     pub fn record_success(&self) -> bool {
         self.failures.store(0, Relaxed);
         !self.healthy.swap(true, Relaxed)
+    }
+
+    /// A request string of `bytes` bytes came to `tokens` prompt tokens here.
+    pub fn observe_prompt(&self, bytes: u64, tokens: u64) {
+        if bytes == 0 || tokens == 0 {
+            return;
+        }
+        self.usage_bytes.fetch_add(bytes, Relaxed);
+        let total = self.usage_tokens.fetch_add(tokens, Relaxed) + tokens;
+        if total > USAGE_WINDOW_TOKENS {
+            // Racy with concurrent observations, which only blurs the window's edge.
+            self.usage_bytes
+                .store(self.usage_bytes.load(Relaxed) / 2, Relaxed);
+            self.usage_tokens.store(total / 2, Relaxed);
+        }
+    }
+
+    /// Request-string bytes per prompt token at this backend: learned from its answers once
+    /// enough were seen, else [`DEFAULT_BYTES_PER_TOKEN`].
+    pub fn bytes_per_token(&self) -> f64 {
+        let tokens = self.usage_tokens.load(Relaxed);
+        if tokens < MIN_USAGE_TOKENS {
+            return DEFAULT_BYTES_PER_TOKEN;
+        }
+        (self.usage_bytes.load(Relaxed) as f64 / tokens as f64).clamp(0.25, 64.0)
     }
 
     pub fn kv_usage(&self) -> f64 {

@@ -109,6 +109,8 @@ pub struct RouterMetrics {
     pub store_latency: Hist<OpLabels>,
     inflight: Family<BackendLabels, Gauge>,
     healthy: Family<BackendLabels, Gauge>,
+    capacity: Family<BackendLabels, Gauge>,
+    bytes_per_token: Family<BackendLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     // production-stack names
     pub incoming: Family<ModelLabels, Counter>,
     pub request_latency: Hist<ServerLabels>,
@@ -133,6 +135,8 @@ impl RouterMetrics {
             store_latency: Hist::new_with_constructor(latency),
             inflight: Family::default(),
             healthy: Family::default(),
+            capacity: Family::default(),
+            bytes_per_token: Family::default(),
             incoming: Family::default(),
             request_latency: Hist::new_with_constructor(latency),
             current_qps: Family::default(),
@@ -186,6 +190,16 @@ impl RouterMetrics {
             "prefix_router_backend_healthy",
             "1 if the backend is a routing candidate",
             m.healthy.clone(),
+        );
+        r.register(
+            "prefix_router_index_capacity",
+            "Index capacity in chunks, by backend (configured, or its KV cache in tokens × bytes per token ÷ chunk size)",
+            m.capacity.clone(),
+        );
+        r.register(
+            "prefix_router_bytes_per_token",
+            "Request-string bytes per prompt token, learned from the backend's answers (4 until enough were seen)",
+            m.bytes_per_token.clone(),
         );
         r.register(
             "vllm:num_incoming_requests",
@@ -266,9 +280,10 @@ impl RouterMetrics {
 
     /// Refreshes the per-backend gauges before a scrape.
     pub fn observe_backends(&self, backends: &[Arc<Backend>]) {
-        for f in [&self.inflight, &self.healthy] {
+        for f in [&self.inflight, &self.healthy, &self.capacity] {
             f.clear();
         }
+        self.bytes_per_token.clear();
         for f in [
             &self.running,
             &self.prefill,
@@ -293,6 +308,15 @@ impl RouterMetrics {
                     backend: label.clone(),
                 })
                 .set(healthy);
+            let backend = BackendLabels {
+                backend: label.clone(),
+            };
+            self.capacity
+                .get_or_create(&backend)
+                .set(b.capacity.load(Relaxed) as i64);
+            self.bytes_per_token
+                .get_or_create(&backend)
+                .set(b.bytes_per_token());
             let server = ServerLabels { server: label };
             self.running.get_or_create(&server).set(inflight);
             self.prefill.get_or_create(&server).set(prefill);

@@ -460,6 +460,7 @@ async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Response {
             parts,
             body,
             stream: routing.stream,
+            text_bytes: routing.text.len() as u64,
             received,
             model,
         },
@@ -475,6 +476,8 @@ struct Outgoing {
     body: bytes::Bytes,
     /// Streamed: the backend's head comes at once, so waiting for it is bounded.
     stream: bool,
+    /// Length of its request string (against the prompt tokens the answer reports).
+    text_bytes: u64,
     received: Instant,
     /// The metric label of its model.
     model: Arc<str>,
@@ -498,6 +501,7 @@ async fn forward(
         parts,
         body,
         stream,
+        text_bytes,
         received,
         model,
     } = req;
@@ -572,8 +576,11 @@ async fn forward(
             Ok(Ok(resp)) => {
                 let gw2 = gw.clone();
                 let b2 = backend.clone();
-                let on_end = move |status: u16, _: Duration| {
-                    record(&gw2, &b2, &model, status, received.elapsed())
+                let on_end = move |ended: proxy::Ended| {
+                    if let (200, Some(tokens)) = (ended.status, ended.prompt_tokens) {
+                        b2.observe_prompt(text_bytes, tokens);
+                    }
+                    record(&gw2, &b2, &model, ended.status, received.elapsed())
                 };
                 let mut response = proxy::downstream_response(resp, guard, on_end, deadline);
                 response.headers_mut().insert("x-request-id", request_id);

@@ -144,18 +144,26 @@ pub async fn scrape_backend(gw: &Arc<Gateway>, backend: &Arc<Backend>) {
     if let Some(kv) = r.kv_usage {
         backend.kv_usage_bits.store(kv.to_bits(), Relaxed);
     }
-    if let (Some(block_size), Some(blocks), None) =
-        (r.block_size, r.num_gpu_blocks, backend.spec().capacity)
-    {
-        // Chunks of request text that fit in the KV cache: tokens × ~4 bytes per token.
-        let chunk = gw.hasher.chunk_size() as u64;
-        let capacity = (blocks * block_size * 4 / chunk).clamp(1, prefix_index::MAX_CAPACITY);
-        if backend.capacity.swap(capacity, Relaxed) != capacity {
+    if let (Some(block_size), Some(blocks)) = (r.block_size, r.num_gpu_blocks) {
+        backend.cache_tokens.store(blocks * block_size, Relaxed);
+    }
+    let cache_tokens = backend.cache_tokens.load(Relaxed);
+    if cache_tokens > 0 && backend.spec().capacity.is_none() {
+        // Chunks of request text that fit in the KV cache: its tokens × the request-string
+        // bytes per token this backend's answers show (4 until they tell).
+        let chunk = gw.hasher.chunk_size() as f64;
+        let capacity = ((cache_tokens as f64 * backend.bytes_per_token() / chunk) as u64)
+            .clamp(1, prefix_index::MAX_CAPACITY);
+        let current = backend.capacity.load(Relaxed);
+        // Small drifts of the learned ratio do not resize the index.
+        let changed = current.abs_diff(capacity) * 20 > current.max(1);
+        if changed && backend.capacity.swap(capacity, Relaxed) != capacity {
             match gw.store.set_capacity(backend.id, capacity).await {
                 Ok(evicted) => tracing::info!(
                     backend = backend.url(),
                     capacity,
                     evicted,
+                    bytes_per_token = backend.bytes_per_token(),
                     "index capacity from the backend's KV cache size"
                 ),
                 Err(e) => {

@@ -90,13 +90,23 @@ pub fn upstream_request(
     req
 }
 
-/// Copies an upstream answer's head, wrapping its body so it carries `guard`. `on_end` gets the
-/// status to count once the answer is over: the backend's when the last frame passed, 502 when
-/// the backend broke it, 504 past `deadline`, 499 when the client left first.
+/// How an answer ended, for the caller's accounting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ended {
+    /// The status to count: the backend's when the last frame passed, 502 when the backend
+    /// broke the answer, 504 past the deadline, 499 when the client left first.
+    pub status: u16,
+    /// `usage.prompt_tokens` as the answer reported it (a whole JSON answer, or a stream's
+    /// usage chunk), if it passed.
+    pub prompt_tokens: Option<u64>,
+}
+
+/// Copies an upstream answer's head, wrapping its body so it carries `guard`; `on_end` learns
+/// how the answer ended.
 pub fn downstream_response(
     upstream: Response<Incoming>,
     guard: InflightGuard,
-    on_end: impl FnOnce(u16, Duration) + Send + 'static,
+    on_end: impl FnOnce(Ended) + Send + 'static,
     deadline: Instant,
 ) -> Response<Body> {
     let (parts, body) = upstream.into_parts();
@@ -106,12 +116,12 @@ pub fn downstream_response(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("text/event-stream"));
     let status = parts.status.as_u16();
-    let started = Instant::now();
     let shared = Arc::new(Shared {
         live: Mutex::new(Some(Live {
             inner: body,
             guard,
             on_end: Box::new(on_end),
+            prompt_tokens: None,
         })),
         waker: AtomicWaker::new(),
     });
@@ -122,7 +132,7 @@ pub fn downstream_response(
         tokio::spawn(async move {
             tokio::time::sleep_until(deadline.into()).await;
             if let Some(shared) = shared.upgrade() {
-                shared.end(StatusCode::GATEWAY_TIMEOUT.as_u16(), started);
+                shared.end(StatusCode::GATEWAY_TIMEOUT.as_u16());
                 shared.waker.wake();
             }
         })
@@ -132,7 +142,6 @@ pub fn downstream_response(
         shared,
         sse,
         status,
-        started,
         timer,
         done: false,
     }));
@@ -150,7 +159,36 @@ pub fn downstream_response(
 struct Live {
     inner: Incoming,
     guard: InflightGuard,
-    on_end: Box<dyn FnOnce(u16, Duration) + Send>,
+    on_end: Box<dyn FnOnce(Ended) + Send>,
+    /// The answer's `usage.prompt_tokens`, once seen.
+    prompt_tokens: Option<u64>,
+}
+
+impl Live {
+    /// Looks for `"prompt_tokens":N` in a frame of the answer (vLLM writes usage once, in the
+    /// JSON answer or the stream's usage chunk).
+    fn look_for_usage(&mut self, frame: &[u8]) {
+        if self.prompt_tokens.is_none() {
+            self.prompt_tokens = prompt_tokens_in(frame);
+        }
+    }
+}
+
+/// The number after `"prompt_tokens":` in a piece of an answer, if there is one.
+fn prompt_tokens_in(frame: &[u8]) -> Option<u64> {
+    const KEY: &[u8] = b"\"prompt_tokens\":";
+    let at = memchr::memmem::find(frame, KEY)?;
+    frame[at + KEY.len()..]
+        .iter()
+        .skip_while(|b| **b == b' ')
+        .take_while(|b| b.is_ascii_digit())
+        .fold(None, |n: Option<u64>, b| {
+            Some(
+                n.unwrap_or(0)
+                    .saturating_mul(10)
+                    .saturating_add(u64::from(b - b'0')),
+            )
+        })
 }
 
 /// Shared between the body and its deadline timer; whichever ends the answer first takes
@@ -163,12 +201,15 @@ struct Shared {
 impl Shared {
     /// Ends the answer with `status` if it is still live: drops the upstream body (which
     /// cancels the request in vLLM) and the in-flight count, and counts it.
-    fn end(&self, status: u16, started: Instant) {
+    fn end(&self, status: u16) {
         let live = self.live.lock().take();
         if let Some(live) = live {
             drop(live.inner);
             drop(live.guard);
-            (live.on_end)(status, started.elapsed());
+            (live.on_end)(Ended {
+                status,
+                prompt_tokens: live.prompt_tokens,
+            });
         }
     }
 }
@@ -178,7 +219,6 @@ struct GuardedBody {
     shared: Arc<Shared>,
     sse: bool,
     status: u16,
-    started: Instant,
     timer: AbortHandle,
     done: bool,
 }
@@ -187,7 +227,7 @@ impl GuardedBody {
     fn finish(&mut self, status: u16) {
         self.done = true;
         self.timer.abort();
-        self.shared.end(status, self.started);
+        self.shared.end(status);
     }
 
     /// A stream that breaks mid-way ends with an error event for SSE clients, so they do not
@@ -238,8 +278,11 @@ impl HttpBody for GuardedBody {
         };
         let polled = Pin::new(&mut state.inner).poll_frame(cx);
         let at_end = match &polled {
-            Poll::Ready(Some(Ok(_))) => {
+            Poll::Ready(Some(Ok(frame))) => {
                 state.guard.first_byte();
+                if let Some(data) = frame.data_ref() {
+                    state.look_for_usage(data);
+                }
                 // hyper stops polling a body of known length once it has all of it, so the
                 // last frame, not the end of the stream, is where a sized answer ends.
                 state.inner.is_end_stream()
@@ -311,4 +354,27 @@ fn next_counter() -> u64 {
     COUNTER
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prompt_tokens_in;
+
+    #[test]
+    fn usage_is_read_from_answers_and_usage_chunks() {
+        assert_eq!(
+            prompt_tokens_in(br#"{"usage":{"prompt_tokens":1234,"total_tokens":1240}}"#),
+            Some(1234)
+        );
+        assert_eq!(
+            prompt_tokens_in(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\": 7}}\n\n"),
+            Some(7)
+        );
+        assert_eq!(prompt_tokens_in(br#"{"prompt_tokens":null}"#), None);
+        assert_eq!(prompt_tokens_in(b"data: [DONE]"), None);
+        assert_eq!(
+            prompt_tokens_in(br#"{"prompt_tokens":99999999999999999999999}"#),
+            Some(u64::MAX)
+        );
+    }
 }

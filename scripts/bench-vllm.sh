@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Real vLLM against the simulator calibrated to it, side by side, on workloads scaled to a CPU
+# fleet: every system on a real fleet (routers, the three PyPI peers, the oracle following the
+# servers' KV events), then the same on sims with vLLM's tokenizer, block size, cache size and
+# measured speed; then the fidelity table (hit rates and TTFT ordering, sim vs vLLM).
+# Usage: scripts/bench-vllm.sh [OUT_DIR]   (default docs/bench/vllm; about 40 minutes)
+#   VLLM_SERVERS (default 2), WORKLOADS (default "shared-prefix multi-turn prefix-repetition")
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-docs/bench/vllm}"
+servers="${VLLM_SERVERS:-2}"
+workloads="${WORKLOADS:-shared-prefix multi-turn prefix-repetition}"
+systems="round_robin,least_loaded,prefix_load,oracle,sglang-router,smg,vllm-router"
+cargo build --release --quiet
+exe=target/release/prefix-router
+work=target/vllm-fleet
+mkdir -p "$work" "$out"
+rm -f "$work/fleet.json"
+"$exe" bench vllm-fleet --vllm-servers "$servers" --work-dir "$work" > "$work/fleet.log" 2>&1 &
+fleet=$!
+trap 'kill -INT "$fleet" 2>/dev/null; wait "$fleet" 2>/dev/null || true' EXIT
+until [ -s "$work/fleet.json" ]; do
+  kill -0 "$fleet" 2>/dev/null || { echo "the vLLM fleet did not start; see $work/fleet.log" >&2; exit 1; }
+  sleep 2
+done
+
+# The simulator as the CPU vLLM of scripts/vllm-model.py measures here: tokens, blocks and cache
+# as vLLM's; prefill ~14,000 tokens/s after ~25 ms; ~6 ms between output tokens.
+sim_args="--model tiny-llama --tokenizer $work/model --block-size 32 --kv-blocks 512 --max-model-len 8192 --prefill-tokens-per-s 14000 --prefill-overhead-ms 25 --itl-ms 6"
+
+args_for() {
+  case "$1" in
+    shared-prefix) echo "--groups 16 --prompts-per-group 6 --system-len 400 --question-len 32 --output-len 16 --qps 3" ;;
+    multi-turn) echo "--users 12 --rounds 4 --system-len 300 --history-len 100 --question-len 32 --answer-len 16 --qps 1" ;;
+    prefix-repetition) echo "--prefix-len 400 --suffix-len 64 --num-prefixes 8 --output-len 16 --qps 3" ;;
+    *) echo "unknown workload $1" >&2; exit 2 ;;
+  esac
+}
+
+for w in $workloads; do
+  # shellcheck disable=SC2046
+  "$exe" bench compare --workload "$w" $(args_for "$w") --model tiny-llama --systems "$systems" \
+    --overhead-requests 0 --throughput-secs 0 \
+    --fleet vllm --vllm-fleet-file "$work/fleet.json" --out "$out/$w/vllm"
+  # shellcheck disable=SC2046
+  "$exe" bench compare --workload "$w" $(args_for "$w") --model tiny-llama --systems "$systems" \
+    --overhead-requests 0 --throughput-secs 0 \
+    --fleet sim --sim-servers "$servers" --sim-args "$sim_args" --out "$out/$w/sim"
+done
+python3 scripts/fidelity.py "$out" | tee "$out/fidelity.md"

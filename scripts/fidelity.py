@@ -1,0 +1,51 @@
+"""The fidelity table: per workload and system, hit rate and mean TTFT on real vLLM and on the
+simulator calibrated to it (scripts/bench-vllm.sh writes OUT/<workload>/{vllm,sim}/results.json).
+
+Usage: python3 scripts/fidelity.py OUT
+"""
+
+import json
+import os
+import sys
+
+
+def load(path):
+    with open(path) as f:
+        return {r["name"]: r for r in json.load(f) if not r.get("skipped")}
+
+
+def rank(results):
+    names = sorted(results, key=lambda n: results[n]["ttft_mean_ms"])
+    return {n: i + 1 for i, n in enumerate(names)}
+
+
+def main(out):
+    print("| workload | system | hit rate vLLM | hit rate sim | difference | TTFT mean vLLM ms | TTFT mean sim ms | rank vLLM | rank sim |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    worst = 0.0
+    same_order = []
+    for workload in sorted(os.listdir(out)):
+        real_path = os.path.join(out, workload, "vllm", "results.json")
+        sim_path = os.path.join(out, workload, "sim", "results.json")
+        if not (os.path.exists(real_path) and os.path.exists(sim_path)):
+            continue
+        real, sim = load(real_path), load(sim_path)
+        common = [n for n in real if n in sim]
+        real_rank = rank({n: real[n] for n in common})
+        sim_rank = rank({n: sim[n] for n in common})
+        for n in common:
+            diff = sim[n]["hit_rate"] - real[n]["hit_rate"]
+            worst = max(worst, abs(diff))
+            print(
+                f"| {workload} | {n} | {real[n]['hit_rate']:.3f} | {sim[n]['hit_rate']:.3f} | {diff:+.3f} "
+                f"| {real[n]['ttft_mean_ms']:.1f} | {sim[n]['ttft_mean_ms']:.1f} | {real_rank[n]} | {sim_rank[n]} |"
+            )
+        same_order.append((workload, all(real_rank[n] == sim_rank[n] for n in common)))
+    print()
+    print(f"Largest hit-rate difference: {worst:.3f} (goal: within 0.030).")
+    for workload, same in same_order:
+        print(f"{workload}: systems in the {'same' if same else 'a different'} order by mean TTFT.")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "docs/bench/vllm")
