@@ -44,7 +44,7 @@ def main(out):
     print()
     print(f"Largest hit-rate difference: {worst:.3f} (goal: within 0.030).")
     for workload, same in same_order:
-        print(f"{workload}: systems in the {'same' if same else 'a different'} order by mean TTFT.")
+        print(f"{workload}: systems {'in the same order' if same else 'in a different order'} by mean TTFT.")
 
 
 if __name__ == "__main__":

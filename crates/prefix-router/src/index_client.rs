@@ -20,7 +20,7 @@ pub struct IndexClient {
     base: String,
     /// `Bearer <key>` for an index that requires keys.
     authorization: Option<axum::http::HeaderValue>,
-    client: crate::serve::proxy::HttpClient,
+    client: crate::upstream::HttpClient,
     timeout: Duration,
 }
 
@@ -40,7 +40,7 @@ impl IndexClient {
             base: url.trim_end_matches('/').to_owned(),
             authorization,
             // Its 4 s idle limit also stays below the index's own 10 s keep-alive.
-            client: crate::serve::proxy::client(timeout),
+            client: crate::upstream::client(timeout),
             timeout,
         };
         let answer = client

@@ -6,10 +6,13 @@
 pub mod access;
 pub mod api_error;
 pub mod cli;
+pub mod core;
 pub mod http_metrics;
 pub mod index;
 pub mod index_client;
 pub mod json_body;
+pub mod metric_label;
 pub mod serve;
 pub mod server;
 pub mod store_args;
+pub mod upstream;

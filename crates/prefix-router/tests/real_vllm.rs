@@ -283,7 +283,7 @@ async fn load_capacity_and_models_come_from_vllm() {
     let _turn = vllm::TURN.lock().await;
     let server = fleet.urls[0].clone();
     let (r, gw) = vllm_router(std::slice::from_ref(&server), &[]).await;
-    let backend = || gw.fleet.all()[0].clone();
+    let backend = || gw.core.fleet.all()[0].clone();
     // 512 blocks × 32 tokens × 4 bytes ÷ 128-byte chunks.
     assert!(
         eventually(10, || async {
@@ -701,7 +701,7 @@ async fn the_index_capacity_follows_vllms_bytes_per_token() {
     let true_ratio = bytes as f64 / tokens as f64;
     let cache_tokens = 512.0 * 32.0;
     let truth = cache_tokens * true_ratio / 128.0;
-    let backend = gw.fleet.all()[0].clone();
+    let backend = gw.core.fleet.all()[0].clone();
     let capacity = || backend.capacity.load(std::sync::atomic::Ordering::Relaxed) as f64;
     let assumed = cache_tokens * 4.0 / 128.0;
     eprintln!(

@@ -141,7 +141,8 @@ async fn metrics_stay_valid_and_bounded() {
     let gone = sims.urls()[1].clone();
     let text = metrics_text(&r.url()).await;
     assert!(text.contains(&format!("backend=\"{gone}\"")), "{text}");
-    gw.set_backends(&[BackendSpec::new(&sims.urls()[0])])
+    gw.monitor
+        .apply(&[BackendSpec::new(&sims.urls()[0])])
         .await
         .unwrap();
     let text = metrics_text(&r.url()).await;
@@ -266,7 +267,7 @@ async fn a_backend_that_returns_gets_its_capacity_again() {
     // 750 blocks × 16 tokens × 4 bytes ÷ 128-byte chunks.
     let derived = 375;
     let capacity = || async {
-        let servers = gw.store.servers().await.unwrap();
+        let servers = gw.core.store().servers().await.unwrap();
         servers.first().map(|s| s.capacity)
     };
     assert!(eventually(5, || async { capacity().await == Some(derived) }).await);

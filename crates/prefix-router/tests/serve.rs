@@ -577,7 +577,7 @@ async fn load_routed_endpoints_and_the_remote_index_store() {
         .unwrap();
     let router = router(&fleet.urls(), |a| a.index_url = Some(index.url())).await;
     let url = router.url();
-    assert_eq!(router.gateway.store.kind(), "index");
+    assert_eq!(router.gateway.core.store().kind(), "index");
     let (s, v) = post(
         &url,
         "/tokenize",

@@ -7,7 +7,6 @@
 //! A changed pod IP is a new backend URL: the old one leaves, the new one joins.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
@@ -15,8 +14,8 @@ use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::Api;
 
-use super::backend::BackendSpec;
-use super::Gateway;
+use super::monitor::{Monitor, WeakMonitor};
+use crate::core::backend::BackendSpec;
 
 /// What `--discovery k8s` needs.
 #[derive(Clone, Debug)]
@@ -70,7 +69,7 @@ pub fn pod_backend(pod: &Pod, settings: &K8sSettings) -> Option<BackendSpec> {
 
 /// Watches the pods and keeps the fleet equal to `static_specs` plus the Ready pods.
 pub async fn run(
-    gw: std::sync::Weak<Gateway>,
+    monitor: WeakMonitor,
     client: kube::Client,
     settings: K8sSettings,
     static_specs: Vec<BackendSpec>,
@@ -128,7 +127,9 @@ pub async fn run(
         if !changed {
             continue;
         }
-        let Some(gw) = gw.upgrade() else { return };
+        let Some(monitor) = monitor.upgrade() else {
+            return;
+        };
         let mut specs = static_specs.clone();
         for spec in pods.values() {
             let mut spec = spec.clone();
@@ -138,7 +139,7 @@ pub async fn run(
             }
         }
         tracing::info!(pods = pods.len(), "pods changed");
-        if let Err(e) = gw.set_backends(&specs).await {
+        if let Err(e) = monitor.apply(&specs).await {
             tracing::warn!(error = %e, "could not apply the discovered pods");
         }
     }
@@ -147,7 +148,7 @@ pub async fn run(
 /// Starts discovery in the background: in-cluster configuration or KUBECONFIG, unless a
 /// client is given (tests point one at a fake API server).
 pub async fn spawn(
-    gw: &Arc<Gateway>,
+    monitor: &Monitor,
     settings: K8sSettings,
     static_specs: Vec<BackendSpec>,
     api_key: Option<String>,
@@ -160,7 +161,7 @@ pub async fn spawn(
         })?,
     };
     tokio::spawn(run(
-        Arc::downgrade(gw),
+        monitor.downgrade(),
         client,
         settings,
         static_specs,

@@ -1,16 +1,75 @@
 //! Watching the backends: health checks, model discovery, load and cache size from their
-//! `/metrics`.
+//! `/metrics`. The monitor holds what it uses — the core (the fleet, and the transitions a
+//! failed or recovered backend causes), the upstream client and its intervals — not the
+//! gateway.
 
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use axum::http::{Method, Request};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 
-use super::backend::Backend;
-use super::Gateway;
+use crate::core::backend::{Backend, BackendSpec};
+use crate::core::Core;
+use crate::upstream::HttpClient;
+
+/// How often and how long the monitor checks.
+#[derive(Clone, Debug)]
+pub struct MonitorSettings {
+    pub health_interval: Duration,
+    pub health_timeout: Duration,
+    pub metrics_interval: Duration,
+}
+
+/// What the monitor works with.
+#[derive(Clone)]
+pub struct Monitor {
+    pub core: Arc<Core>,
+    pub client: HttpClient,
+    pub settings: MonitorSettings,
+}
+
+impl Monitor {
+    /// Applies a new backend list: new backends are checked and scraped at once.
+    pub async fn apply(&self, specs: &[BackendSpec]) -> anyhow::Result<()> {
+        let added = self.core.set_backends(specs).await?;
+        futures_util::future::join_all(added.iter().map(|b| async {
+            check_backend(self, b).await;
+            scrape_backend(self, b).await;
+        }))
+        .await;
+        Ok(())
+    }
+
+    /// A handle that does not keep the core alive (for background tasks).
+    pub fn downgrade(&self) -> WeakMonitor {
+        WeakMonitor {
+            core: Arc::downgrade(&self.core),
+            client: self.client.clone(),
+            settings: self.settings.clone(),
+        }
+    }
+}
+
+/// A [`Monitor`] whose core may be gone.
+#[derive(Clone)]
+pub struct WeakMonitor {
+    core: Weak<Core>,
+    client: HttpClient,
+    settings: MonitorSettings,
+}
+
+impl WeakMonitor {
+    pub fn upgrade(&self) -> Option<Monitor> {
+        Some(Monitor {
+            core: self.core.upgrade()?,
+            client: self.client.clone(),
+            settings: self.settings.clone(),
+        })
+    }
+}
 
 /// What a backend's `/metrics` tells the router.
 #[derive(Debug, Default, PartialEq)]
@@ -58,7 +117,12 @@ pub fn parse_metrics(text: &str) -> Reported {
 }
 
 /// GETs `path` on a backend, returning the body if the answer is a 2xx within `timeout`.
-pub async fn get(gw: &Gateway, backend: &Backend, path: &str, timeout: Duration) -> Option<Bytes> {
+pub async fn get(
+    client: &HttpClient,
+    backend: &Backend,
+    path: &str,
+    timeout: Duration,
+) -> Option<Bytes> {
     let mut req = Request::builder()
         .method(Method::GET)
         .uri(format!("{}{path}", backend.url()))
@@ -69,7 +133,7 @@ pub async fn get(gw: &Gateway, backend: &Backend, path: &str, timeout: Duration)
             .insert(axum::http::header::AUTHORIZATION, auth);
     }
     let fetch = async {
-        let resp = gw.client.request(req).await.ok()?;
+        let resp = client.request(req).await.ok()?;
         if !resp.status().is_success() {
             return None;
         }
@@ -97,15 +161,15 @@ pub fn parse_models(body: &[u8]) -> Option<Vec<String>> {
 
 /// One health round for one backend: `/health`, then (if healthy and not configured) its
 /// models.
-pub async fn check_backend(gw: &Arc<Gateway>, backend: &Arc<Backend>) {
-    let timeout = gw.settings.health_timeout;
-    let ok = get(gw, backend, "/health", timeout).await.is_some();
+pub async fn check_backend(m: &Monitor, backend: &Arc<Backend>) {
+    let timeout = m.settings.health_timeout;
+    let ok = get(&m.client, backend, "/health", timeout).await.is_some();
     if !ok {
-        gw.backend_failed(backend);
+        m.core.backend_failed(backend);
         return;
     }
     if backend.spec().models.is_none() {
-        match get(gw, backend, "/v1/models", timeout)
+        match get(&m.client, backend, "/v1/models", timeout)
             .await
             .as_deref()
             .and_then(parse_models)
@@ -122,17 +186,17 @@ pub async fn check_backend(gw: &Arc<Gateway>, backend: &Arc<Backend>) {
                 }
             }
             None => {
-                gw.backend_failed(backend);
+                m.core.backend_failed(backend);
                 return;
             }
         }
     }
-    gw.backend_succeeded(backend).await;
+    m.core.backend_succeeded(backend).await;
 }
 
 /// One load round for one backend: running, waiting, KV usage and cache size.
-pub async fn scrape_backend(gw: &Arc<Gateway>, backend: &Arc<Backend>) {
-    let Some(body) = get(gw, backend, "/metrics", gw.settings.health_timeout).await else {
+pub async fn scrape_backend(m: &Monitor, backend: &Arc<Backend>) {
+    let Some(body) = get(&m.client, backend, "/metrics", m.settings.health_timeout).await else {
         return;
     };
     let r = parse_metrics(&String::from_utf8_lossy(&body));
@@ -151,45 +215,34 @@ pub async fn scrape_backend(gw: &Arc<Gateway>, backend: &Arc<Backend>) {
     if cache_tokens > 0 && backend.spec().capacity.is_none() {
         // Chunks of request text that fit in the KV cache: its tokens × the request-string
         // bytes per token this backend's answers show (4 until they tell).
-        let chunk = gw.hasher.chunk_size() as f64;
+        let chunk = m.core.strings.hasher.chunk_size() as f64;
         let capacity = ((cache_tokens as f64 * backend.bytes_per_token() / chunk) as u64)
             .clamp(1, prefix_index::MAX_CAPACITY);
         let current = backend.capacity.load(Relaxed);
         // Small drifts of the learned ratio do not resize the index.
         let changed = current.abs_diff(capacity) * 20 > current.max(1);
         if changed && backend.capacity.swap(capacity, Relaxed) != capacity {
-            match gw.store.set_capacity(backend.id, capacity).await {
-                Ok(evicted) => tracing::info!(
-                    backend = backend.url(),
-                    capacity,
-                    evicted,
-                    bytes_per_token = backend.bytes_per_token(),
-                    "index capacity from the backend's KV cache size"
-                ),
-                Err(e) => {
-                    tracing::warn!(backend = backend.url(), error = %e, "could not set the index capacity")
-                }
-            }
+            m.core.set_capacity(backend, capacity).await;
         }
     }
 }
 
-/// Runs health checks and load scrapes until the gateway is dropped.
-pub fn spawn(gw: &Arc<Gateway>) {
-    let weak = Arc::downgrade(gw);
-    let health_every = gw.settings.health_interval;
+/// Runs health checks and load scrapes until the core is dropped.
+pub fn spawn(m: &Monitor) {
+    let weak = m.downgrade();
+    let health_every = m.settings.health_interval;
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(health_every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            let Some(gw) = weak.upgrade() else { return };
-            let backends = gw.fleet.all();
-            futures_util::future::join_all(backends.iter().map(|b| check_backend(&gw, b))).await;
+            let Some(m) = weak.upgrade() else { return };
+            let backends = m.core.fleet.all();
+            futures_util::future::join_all(backends.iter().map(|b| check_backend(&m, b))).await;
         }
     });
-    let weak = Arc::downgrade(gw);
-    let scrape_every = gw.settings.metrics_interval;
+    let weak = m.downgrade();
+    let scrape_every = m.settings.metrics_interval;
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(scrape_every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -197,9 +250,9 @@ pub fn spawn(gw: &Arc<Gateway>) {
         let mut last_at = tokio::time::Instant::now();
         loop {
             tick.tick().await;
-            let Some(gw) = weak.upgrade() else { return };
-            let backends = gw.fleet.all();
-            futures_util::future::join_all(backends.iter().map(|b| scrape_backend(&gw, b))).await;
+            let Some(m) = weak.upgrade() else { return };
+            let backends = m.core.fleet.all();
+            futures_util::future::join_all(backends.iter().map(|b| scrape_backend(&m, b))).await;
             // Requests per second since the last round.
             let now = tokio::time::Instant::now();
             let secs = now.duration_since(last_at).as_secs_f64().max(1e-3);

@@ -8,7 +8,7 @@
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::body::Body;
 use axum::http::header::{self, HeaderName};
@@ -17,31 +17,10 @@ use bytes::Bytes;
 use futures_util::task::AtomicWaker;
 use http_body_util::Full;
 use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use parking_lot::Mutex;
 use tokio::task::AbortHandle;
 
-use super::backend::{Backend, InflightGuard};
-
-pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
-
-/// The pooled HTTP/1.1 client for the backends and for a remote index.
-pub fn client(connect_timeout: Duration) -> HttpClient {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(connect_timeout));
-    connector.set_keepalive(Some(Duration::from_secs(30)));
-    // Without a timer the pool never reaps idle connections: after a burst their descriptors and
-    // buffers would stay until reused. vLLM (uvicorn) closes a connection idle for 5 s; reusing
-    // one at that moment fails the request, so connections idle for 4 s are not reused.
-    Client::builder(TokioExecutor::new())
-        .pool_timer(TokioTimer::new())
-        .pool_idle_timeout(Duration::from_secs(4))
-        .pool_max_idle_per_host(4096)
-        .build(connector)
-}
+use crate::core::backend::{Backend, InflightGuard};
 
 /// Headers that describe one hop, never forwarded.
 fn hop_by_hop(name: &HeaderName) -> bool {

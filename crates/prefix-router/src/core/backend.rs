@@ -254,14 +254,26 @@ impl Backend {
     pub fn kv_usage(&self) -> f64 {
         f64::from_bits(self.kv_usage_bits.load(Relaxed))
     }
+}
 
-    /// Load as the policies compare it: in-flight at this router first, then the backend's
-    /// own queue.
-    pub fn load(&self) -> (u64, u64) {
-        (
-            self.inflight.load(Relaxed),
-            self.reported_queue.load(Relaxed),
-        )
+impl std::fmt::Debug for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Backend").field("url", &self.url()).finish()
+    }
+}
+
+impl Backend {
+    /// What a policy sees of this backend now (matched tokens filled in later).
+    pub fn row(&self) -> crate::core::policy::CandidateRow {
+        crate::core::policy::CandidateRow {
+            id: self.id,
+            weight: self.weight(),
+            inflight: self.inflight.load(Relaxed),
+            waiting_first_byte: self.waiting_first_byte.load(Relaxed),
+            queue: self.reported_queue.load(Relaxed),
+            entries: self.entries.load(Relaxed),
+            matched_tokens: 0,
+        }
     }
 }
 

@@ -1,0 +1,231 @@
+//! Where matches come from: "how many leading tokens of this request does each candidate
+//! hold". The string index (a prefix store over the request string's chunks) is the first
+//! source; the token-block index fed by KV events will be the second. Policies see only the
+//! answer, in tokens.
+
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use prefix_index::{now_secs, PrefixHasher, PrefixHashes, PrefixStore, ServerId, Tick};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+use super::backend::Backend;
+
+/// What of a request the string index matches: the chained hashes of its request string's
+/// chunks, and the string's length.
+#[derive(Clone, Debug)]
+pub struct PromptKey {
+    pub chunks: PrefixHashes,
+    pub text_bytes: u64,
+}
+
+/// Leading tokens each candidate holds, in the candidates' order, and the request's tokens.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Matches {
+    pub held_tokens: Vec<u64>,
+    pub total_tokens: u64,
+}
+
+/// The source could not answer in time: the request is routed by load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Unavailable;
+
+/// A source of matches.
+#[async_trait::async_trait]
+pub trait MatchSource: Send + Sync {
+    /// A short name for logs and metrics.
+    fn kind(&self) -> &'static str;
+    /// What each of `candidates` holds of the request.
+    async fn matches(
+        &self,
+        key: &PromptKey,
+        candidates: &[Arc<Backend>],
+    ) -> Result<Matches, Unavailable>;
+    /// The request went to `backend` (whatever becomes of it: vLLM keeps the prefill even of a
+    /// failed request).
+    async fn sent(&self, key: &PromptKey, backend: &Arc<Backend>);
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabels {
+    op: &'static str,
+}
+
+/// The string index's own metrics.
+struct IndexMetrics {
+    errors: Family<OpLabels, Counter>,
+    latency: Family<OpLabels, Histogram, fn() -> Histogram>,
+}
+
+fn latency() -> Histogram {
+    // 10 µs .. ~42 s
+    Histogram::new(exponential_buckets(1e-5, 2.0, 23))
+}
+
+/// The string index: a [`PrefixStore`] (memory, SQLite, PostgreSQL or a remote `index`) over
+/// the request strings' chunks. Store calls wait at most `timeout`; a failing store makes
+/// requests route by load, counted and logged once per outage.
+pub struct StringIndex {
+    pub store: Arc<dyn PrefixStore>,
+    pub hasher: PrefixHasher,
+    timeout: Duration,
+    /// Notify on the request path (a memory store answers in microseconds) or in the
+    /// background (a database or a remote index).
+    inline_notify: bool,
+    /// Set while the store fails, so an outage is logged once, not per request.
+    down: AtomicBool,
+    metrics: IndexMetrics,
+}
+
+impl StringIndex {
+    /// The index over `store`, registering its metrics in `registry`.
+    pub fn new(
+        store: Arc<dyn PrefixStore>,
+        hasher: PrefixHasher,
+        timeout: Duration,
+        inline_notify: bool,
+        registry: &mut Registry,
+    ) -> Self {
+        let metrics = IndexMetrics {
+            errors: Family::default(),
+            latency: Family::new_with_constructor(latency),
+        };
+        registry.register(
+            "prefix_router_store_errors",
+            "Prefix store operations that failed or timed out (routing fell back to load)",
+            metrics.errors.clone(),
+        );
+        registry.register(
+            "prefix_router_store_latency_seconds",
+            "Prefix store operation latency",
+            metrics.latency.clone(),
+        );
+        Self {
+            store,
+            hasher,
+            timeout,
+            inline_notify,
+            down: AtomicBool::new(false),
+            metrics,
+        }
+    }
+
+    /// The key of a request string.
+    pub fn key(&self, text: &str) -> PromptKey {
+        PromptKey {
+            chunks: self.hasher.hash(text.as_bytes()),
+            text_bytes: text.len() as u64,
+        }
+    }
+
+    fn ok(&self) {
+        if self.down.swap(false, Relaxed) {
+            tracing::info!(
+                store = self.store.kind(),
+                "the prefix store answers again: prefix routing resumes"
+            );
+        }
+    }
+
+    fn failed(&self, op: &'static str, error: &str) {
+        self.metrics.errors.get_or_create(&OpLabels { op }).inc();
+        if !self.down.swap(true, Relaxed) {
+            tracing::warn!(
+                store = self.store.kind(),
+                op,
+                error,
+                "the prefix store failed: routing by load until it answers"
+            );
+        }
+    }
+
+    fn observe(&self, op: &'static str, start: Instant) {
+        self.metrics
+            .latency
+            .get_or_create(&OpLabels { op })
+            .observe(start.elapsed().as_secs_f64());
+    }
+
+    /// Tokens that `chunks` chunks of request string stand for at a backend with this many
+    /// bytes per token.
+    fn tokens(&self, chunks: u64, bytes_per_token: f64) -> u64 {
+        (chunks as f64 * self.hasher.chunk_size() as f64 / bytes_per_token).round() as u64
+    }
+
+    async fn notify(&self, key: &PromptKey, backend: &Backend) {
+        let start = Instant::now();
+        let t = Tick::from_secs(now_secs());
+        let result =
+            tokio::time::timeout(self.timeout, self.store.notify(&key.chunks, backend.id, t)).await;
+        self.observe("notify", start);
+        match result {
+            Ok(Ok(out)) => {
+                self.ok();
+                let entries = &backend.entries;
+                let now = entries.load(Relaxed);
+                entries.store((now + out.inserted).saturating_sub(out.evicted), Relaxed);
+            }
+            Ok(Err(e)) => self.failed("notify", &e.to_string()),
+            Err(_) => self.failed("notify", "timed out"),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl MatchSource for Arc<StringIndex> {
+    fn kind(&self) -> &'static str {
+        "strings"
+    }
+
+    async fn matches(
+        &self,
+        key: &PromptKey,
+        candidates: &[Arc<Backend>],
+    ) -> Result<Matches, Unavailable> {
+        let ids: Vec<ServerId> = candidates.iter().map(|b| b.id).collect();
+        let start = Instant::now();
+        let t = Tick::from_secs(now_secs());
+        let result =
+            tokio::time::timeout(self.timeout, self.store.query(&key.chunks, &ids, t)).await;
+        self.observe("query", start);
+        let q = match result {
+            Ok(Ok(q)) => {
+                self.ok();
+                q
+            }
+            Ok(Err(e)) => {
+                self.failed("query", &e.to_string());
+                return Err(Unavailable);
+            }
+            Err(_) => {
+                self.failed("query", "timed out");
+                return Err(Unavailable);
+            }
+        };
+        let ratios: Vec<f64> = candidates.iter().map(|b| b.bytes_per_token()).collect();
+        let mean = ratios.iter().sum::<f64>() / ratios.len().max(1) as f64;
+        Ok(Matches {
+            held_tokens: q
+                .matches
+                .iter()
+                .zip(&ratios)
+                .map(|(&m, &r)| self.tokens(m, r))
+                .collect(),
+            total_tokens: self.tokens(q.total, mean),
+        })
+    }
+
+    async fn sent(&self, key: &PromptKey, backend: &Arc<Backend>) {
+        if self.inline_notify {
+            self.notify(key, backend).await
+        } else {
+            let (index, key, backend) = (self.clone(), key.clone(), backend.clone());
+            tokio::spawn(async move { index.notify(&key, &backend).await });
+        }
+    }
+}

@@ -1,0 +1,321 @@
+//! The decision core: the fleet, the match sources and the policy, without any transport.
+//!
+//! It answers "where should this request go, and in what order should the others be tried"
+//! ([`Core::pick`]) and takes "it was sent there" ([`Core::sent`]); the HTTP gateway (`serve`)
+//! and later front ends call it, and turn its outcomes into responses at their edge. It also
+//! keeps the fleet's state transitions that touch the index (a backend leaving, failing,
+//! coming back) in one place, for the monitor and discovery to call.
+
+pub mod backend;
+pub mod matches;
+pub mod metrics;
+pub mod policy;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use prometheus_client::registry::Registry;
+
+use backend::{Backend, BackendSpec, Fleet};
+use matches::{MatchSource, PromptKey, StringIndex};
+use metrics::{CoreMetrics, DecisionLabels};
+use policy::{CandidateRow, MatchFacts, Policy, PolicySettings, Reason, RequestFacts};
+
+/// Settings of the core's fleet handling.
+#[derive(Clone, Debug)]
+pub struct CoreSettings {
+    /// Failed checks (or connection failures) before a backend leaves the candidates.
+    pub unhealthy_after: u32,
+    /// The index capacity of a backend before its KV cache size is known.
+    pub default_capacity: u64,
+}
+
+/// What a request asks of the core.
+#[derive(Clone, Copy, Debug)]
+pub struct RequestInput<'a> {
+    /// The session key, if the request carries one.
+    pub session: Option<&'a str>,
+    /// What the string index matches (None: route by load only).
+    pub prompt: Option<&'a PromptKey>,
+}
+
+/// The candidates for a model: the healthy backends serving it.
+pub struct Candidates {
+    pub backends: Vec<Arc<Backend>>,
+    /// Some backend serves the model (healthy or not): its name as they spell it.
+    pub model: Option<Arc<str>>,
+}
+
+/// Where a request goes.
+#[derive(Debug)]
+pub struct Decision {
+    /// Every candidate once, the chosen one first: the failover order.
+    pub order: Vec<Arc<Backend>>,
+    pub reason: Reason,
+    /// Matched ÷ request tokens of the chosen backend (prefix policies).
+    pub matched_ratio: Option<f64>,
+}
+
+/// Called with a backend that left the fleet.
+type BackendListener = Box<dyn Fn(&Backend) + Send + Sync>;
+
+/// The decision core.
+pub struct Core {
+    pub fleet: Fleet,
+    pub strings: Arc<StringIndex>,
+    policy: Box<dyn Policy>,
+    least_loaded: policy::LeastLoaded,
+    turn: AtomicU64,
+    settings: CoreSettings,
+    metrics: CoreMetrics,
+    /// Drops of backends' index entries still running, by server id: a backend that comes
+    /// back (healthy again, or re-added) waits for its drop before its capacity is set again.
+    pending_drops: parking_lot::Mutex<HashMap<prefix_index::ServerId, tokio::task::JoinHandle<()>>>,
+    /// Told when a backend leaves the fleet (its metric series go, for one).
+    on_left: parking_lot::Mutex<Vec<BackendListener>>,
+}
+
+impl Core {
+    /// A core with an empty fleet, registering its metrics in `registry`.
+    pub fn new(
+        strings: StringIndex,
+        policy: &PolicySettings,
+        settings: CoreSettings,
+        registry: &mut Registry,
+    ) -> Self {
+        Self {
+            fleet: Fleet::default(),
+            strings: Arc::new(strings),
+            policy: policy::build(policy),
+            least_loaded: policy::LeastLoaded,
+            turn: AtomicU64::new(0),
+            settings,
+            metrics: CoreMetrics::register(registry),
+            pending_drops: Default::default(),
+            on_left: Default::default(),
+        }
+    }
+
+    /// The configured policy's name.
+    pub fn policy_name(&self) -> &'static str {
+        self.policy.name()
+    }
+
+    /// Whether the policy matches prefixes (so the caller hashes the request string).
+    pub fn uses_prefixes(&self) -> bool {
+        self.policy.needs_matches()
+    }
+
+    /// The prefix store behind the string index.
+    pub fn store(&self) -> &Arc<dyn prefix_index::PrefixStore> {
+        &self.strings.store
+    }
+
+    /// Calls `f` with every backend that leaves the fleet.
+    pub fn on_backend_left(&self, f: impl Fn(&Backend) + Send + Sync + 'static) {
+        self.on_left.lock().push(Box::new(f));
+    }
+
+    /// The healthy backends serving `model` (every backend when the request names none).
+    pub fn candidates(&self, model: Option<&str>) -> Candidates {
+        let fleet = self.fleet.snapshot();
+        let mut out = Candidates {
+            backends: Vec::with_capacity(fleet.len()),
+            model: None,
+        };
+        for b in fleet.iter() {
+            let serves = match model {
+                Some(m) => b.serves(m),
+                None => Some(Arc::from("")),
+            };
+            if let Some(name) = serves {
+                out.model.get_or_insert(name);
+                if b.is_healthy() {
+                    out.backends.push(b.clone());
+                }
+            }
+        }
+        out
+    }
+
+    /// Orders `candidates` (not empty) for a request by the configured policy, asking the
+    /// match source first when the policy uses matches.
+    pub async fn pick(&self, candidates: Vec<Arc<Backend>>, input: RequestInput<'_>) -> Decision {
+        let mut rows: Vec<CandidateRow> = candidates.iter().map(|b| b.row()).collect();
+        let matches = match input.prompt {
+            Some(key) if self.policy.needs_matches() && !key.chunks.is_empty() => {
+                match self.strings.matches(key, &candidates).await {
+                    Ok(m) => {
+                        for (row, held) in rows.iter_mut().zip(m.held_tokens) {
+                            row.matched_tokens = held;
+                        }
+                        MatchFacts::Known {
+                            total_tokens: m.total_tokens,
+                        }
+                    }
+                    Err(matches::Unavailable) => MatchFacts::Unavailable,
+                }
+            }
+            _ => MatchFacts::None,
+        };
+        let facts = RequestFacts {
+            session: input.session,
+            matches,
+            turn: self.turn.fetch_add(1, Relaxed),
+        };
+        self.decide(&*self.policy, candidates, &rows, &facts)
+    }
+
+    /// Orders `candidates` (not empty) by load alone (endpoints with nothing to match).
+    pub fn pick_by_load(&self, candidates: Vec<Arc<Backend>>) -> Decision {
+        let rows: Vec<CandidateRow> = candidates.iter().map(|b| b.row()).collect();
+        let facts = RequestFacts {
+            session: None,
+            matches: MatchFacts::None,
+            turn: self.turn.fetch_add(1, Relaxed),
+        };
+        self.decide(&self.least_loaded, candidates, &rows, &facts)
+    }
+
+    fn decide(
+        &self,
+        policy: &dyn Policy,
+        candidates: Vec<Arc<Backend>>,
+        rows: &[CandidateRow],
+        facts: &RequestFacts,
+    ) -> Decision {
+        let choice = policy.choose(rows, facts);
+        debug_assert_eq!(choice.order.len(), candidates.len());
+        self.metrics
+            .decisions
+            .get_or_create(&DecisionLabels {
+                policy: policy.name(),
+                reason: choice.reason.label(),
+            })
+            .inc();
+        if let Some(ratio) = choice.matched_ratio {
+            self.metrics.matched_ratio.observe(ratio);
+        }
+        Decision {
+            order: choice
+                .order
+                .iter()
+                .map(|&p| candidates[p].clone())
+                .collect(),
+            reason: choice.reason,
+            matched_ratio: choice.matched_ratio,
+        }
+    }
+
+    /// The request was sent to `backend`.
+    pub async fn sent(&self, prompt: Option<&PromptKey>, backend: &Arc<Backend>) {
+        if let Some(key) = prompt.filter(|_| self.policy.needs_matches()) {
+            self.strings.sent(key, backend).await;
+        }
+    }
+
+    /// Refreshes the fleet's gauges before a scrape.
+    pub fn observe_fleet(&self) {
+        self.metrics.observe_fleet(&self.fleet.all());
+    }
+
+    /// A health check or a connection failed; after `--unhealthy-after` the backend leaves the
+    /// candidates, and its index entries go (a restarted vLLM has an empty cache).
+    pub fn backend_failed(&self, backend: &Arc<Backend>) {
+        if backend.record_failure(self.settings.unhealthy_after) {
+            tracing::warn!(
+                backend = backend.url(),
+                "backend is unhealthy: it leaves the candidates"
+            );
+            self.forget(backend.clone());
+        }
+    }
+
+    /// A check succeeded: a backend that was unhealthy is a candidate again, and its index
+    /// capacity (dropped with its entries) is set again once the drop has finished.
+    pub async fn backend_succeeded(&self, backend: &Arc<Backend>) {
+        if backend.record_success() {
+            tracing::info!(backend = backend.url(), "backend is healthy");
+            self.restore_capacity(backend).await;
+        }
+    }
+
+    /// Sets the backend's index capacity to `capacity` chunks (derived from its KV cache).
+    pub async fn set_capacity(&self, backend: &Backend, capacity: u64) {
+        match self.strings.store.set_capacity(backend.id, capacity).await {
+            Ok(evicted) => tracing::info!(
+                backend = backend.url(),
+                capacity,
+                evicted,
+                bytes_per_token = backend.bytes_per_token(),
+                "index capacity from the backend's KV cache size"
+            ),
+            Err(e) => {
+                tracing::warn!(backend = backend.url(), error = %e, "could not set the index capacity")
+            }
+        }
+    }
+
+    /// Drops a backend's index entries (it left, or it failed and may come back empty). The
+    /// drop runs in the background; [`Core::restore_capacity`] waits for it.
+    fn forget(&self, backend: Arc<Backend>) {
+        let strings = self.strings.clone();
+        let id = backend.id;
+        backend.entries.store(0, Relaxed);
+        let mut pending = self.pending_drops.lock();
+        let before = pending.remove(&id);
+        let drop = tokio::spawn(async move {
+            if let Some(before) = before {
+                let _ = before.await;
+            }
+            if let Err(e) = strings.store.drop_server(backend.id).await {
+                tracing::warn!(backend = backend.url(), error = %e, "could not drop the backend's index entries");
+            }
+        });
+        pending.insert(id, drop);
+    }
+
+    /// Waits for a pending drop of the backend's entries, then sets its index capacity (the
+    /// configured one or the one derived from its KV cache): a store forgets a server's
+    /// capacity with its entries.
+    async fn restore_capacity(&self, backend: &Backend) {
+        let pending = self.pending_drops.lock().remove(&backend.id);
+        if let Some(drop) = pending {
+            let _ = drop.await;
+        }
+        let capacity = backend.capacity.load(Relaxed);
+        if capacity != self.settings.default_capacity || backend.spec().capacity.is_some() {
+            if let Err(e) = self.strings.store.set_capacity(backend.id, capacity).await {
+                tracing::warn!(backend = backend.url(), error = %e, "could not set the index capacity");
+            }
+        }
+    }
+
+    /// Makes the fleet `specs`: new backends join (their capacity set), gone ones leave (their
+    /// entries dropped), changed ones are updated in place. Returns the backends that joined,
+    /// for the caller to check at once.
+    pub async fn set_backends(&self, specs: &[BackendSpec]) -> anyhow::Result<Vec<Arc<Backend>>> {
+        let change = self
+            .fleet
+            .reconcile(specs, self.settings.default_capacity)?;
+        for gone in change.removed {
+            tracing::info!(backend = gone.url(), "backend left");
+            for f in self.on_left.lock().iter() {
+                f(&gone);
+            }
+            self.forget(gone);
+        }
+        for b in &change.updated {
+            tracing::info!(backend = b.url(), "backend settings changed");
+            if b.spec().capacity.is_some() {
+                self.restore_capacity(b).await;
+            }
+        }
+        for b in &change.added {
+            tracing::info!(backend = b.url(), "backend joined");
+            self.restore_capacity(b).await;
+        }
+        Ok(change.added)
+    }
+}

@@ -1,0 +1,143 @@
+//! `prefix_load`: the longest match unless it is below `cache_threshold` of the request or its
+//! backend is too far above the least loaded (the load guard); then the least loaded.
+
+use super::order::per_weight;
+use super::prefix::{first, start, Start};
+use super::{CandidateRow, Choice, Policy, Reason, RequestFacts};
+
+pub struct PrefixLoad {
+    pub cache_threshold: f64,
+    /// The guard trips when the matched backend has more than this many requests in flight
+    /// (per unit of weight) above the least loaded one...
+    pub balance_abs: u64,
+    /// ... and more than this times its load.
+    pub balance_rel: f64,
+}
+
+impl Policy for PrefixLoad {
+    fn name(&self) -> &'static str {
+        "prefix_load"
+    }
+
+    fn needs_matches(&self) -> bool {
+        true
+    }
+
+    fn choose(&self, rows: &[CandidateRow], facts: &RequestFacts) -> Choice {
+        let (order, best, ratio) = match start(rows, facts) {
+            Start::ByLoad(order, reason, matched_ratio) => {
+                return Choice {
+                    order,
+                    reason,
+                    matched_ratio,
+                }
+            }
+            Start::Matched { order, best, ratio } => (order, best, ratio),
+        };
+        let by_load = |order, reason| Choice {
+            order,
+            reason,
+            matched_ratio: Some(ratio),
+        };
+        if ratio < self.cache_threshold || rows[order[best]].matched_tokens == 0 {
+            return by_load(order, Reason::BelowThreshold);
+        }
+        // In requests per unit of weight: a backend of weight 4 at 40 is as loaded as one of
+        // weight 1 at 10.
+        let chosen = per_weight(&rows[order[best]]);
+        let least = rows.iter().map(per_weight).fold(f64::MAX, f64::min);
+        let overloaded =
+            chosen > least + self.balance_abs as f64 && chosen > least * self.balance_rel;
+        if overloaded {
+            return by_load(order, Reason::LoadGuard);
+        }
+        by_load(first(order, best), Reason::CacheHit)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::fixtures::{known, matched, rows};
+    use super::super::MatchFacts;
+    use super::*;
+
+    fn policy() -> PrefixLoad {
+        PrefixLoad {
+            cache_threshold: 0.5,
+            balance_abs: 2,
+            balance_rel: 1.5,
+        }
+    }
+
+    #[test]
+    fn the_match_wins_unless_low_or_overloaded() {
+        let mut r = matched(rows(3), &[0, 8, 2]);
+        let c = policy().choose(&r, &known(10, 0));
+        assert_eq!((c.order[0], c.reason), (1, Reason::CacheHit));
+        assert_eq!(c.matched_ratio, Some(0.8));
+        let low = matched(rows(3), &[0, 4, 2]);
+        assert_eq!(
+            policy().choose(&low, &known(10, 0)).reason,
+            Reason::BelowThreshold
+        );
+        // Row 1 holds the prefix but has 5 more in flight than the least loaded: guard trips.
+        r[1].inflight = 5;
+        let c = policy().choose(&r, &known(10, 0));
+        assert_eq!(c.reason, Reason::LoadGuard);
+        assert_ne!(c.order[0], 1);
+        r[1].inflight = 2;
+        let c = policy().choose(&r, &known(10, 0));
+        assert_eq!((c.order[0], c.reason), (1, Reason::CacheHit));
+        assert_eq!(c.order.len(), 3, "every backend appears once");
+    }
+
+    #[test]
+    fn equal_load_spreads_new_prefixes() {
+        let mut r = rows(4);
+        let firsts: std::collections::HashSet<usize> = (0..4)
+            .map(|turn| policy().choose(&r, &known(10, turn)).order[0])
+            .collect();
+        assert_eq!(
+            firsts.len(),
+            4,
+            "four new prefixes on four idle backends go to four backends"
+        );
+        for (i, e) in [10, 10, 0, 10].into_iter().enumerate() {
+            r[i].entries = e;
+        }
+        assert_eq!(
+            policy().choose(&r, &known(10, 0)).order[0],
+            2,
+            "fewer index entries win"
+        );
+    }
+
+    #[test]
+    fn the_load_guard_compares_load_per_weight() {
+        let mut r = matched(rows(2), &[0, 9]);
+        r[1].weight = 4;
+        r[1].inflight = 40;
+        r[0].inflight = 10;
+        let c = policy().choose(&r, &known(10, 0));
+        assert_eq!(
+            (c.order[0], c.reason),
+            (1, Reason::CacheHit),
+            "40 of weight 4 is as loaded as 10 of weight 1"
+        );
+        r[1].inflight = 80;
+        assert_eq!(policy().choose(&r, &known(10, 0)).reason, Reason::LoadGuard);
+    }
+
+    #[test]
+    fn an_unavailable_index_routes_by_load() {
+        let mut r = rows(2);
+        r[0].inflight = 3;
+        let facts = RequestFacts {
+            session: None,
+            matches: MatchFacts::Unavailable,
+            turn: 0,
+        };
+        let c = policy().choose(&r, &facts);
+        assert_eq!((c.order[0], c.reason), (1, Reason::StoreUnavailable));
+    }
+}

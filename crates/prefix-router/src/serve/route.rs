@@ -1,0 +1,226 @@
+//! The HTTP request path: read the body, build the request string, ask the core where the
+//! request goes, forward it (moving on after a failure while nothing reached the client), and
+//! count it. Errors become OpenAI-shaped responses here, at the edge.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::Request;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+
+use super::metrics::{model_label, Label, RequestLabels, UNKNOWN_MODEL};
+use super::proxy;
+use super::request_string::{self, Endpoint, InvalidRequest};
+use super::Gateway;
+use crate::api_error::ApiError;
+use crate::core::backend::{Backend, InflightGuard};
+use crate::core::matches::PromptKey;
+use crate::core::RequestInput;
+use crate::json_body::read_body;
+
+impl From<InvalidRequest> for ApiError {
+    fn from(e: InvalidRequest) -> Self {
+        ApiError::bad_request(e.0)
+    }
+}
+
+fn bad_gateway(why: impl std::fmt::Display) -> Response {
+    ApiError::new(StatusCode::BAD_GATEWAY, format!("backend failure: {why}")).into_response()
+}
+
+/// The request path of every proxied endpoint.
+pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Response {
+    let received = Instant::now();
+    let (parts, body) = req.into_parts();
+    let body = match read_body(body, gw.settings.max_body).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let routing = match request_string::routing(endpoint, &body) {
+        Ok(r) => r,
+        Err(e) => return ApiError::from(e).into_response(),
+    };
+    let candidates = gw.core.candidates(routing.model.as_deref());
+    let known = candidates.model.is_some();
+    // The label is a name some backend serves, or a constant: never the client's text.
+    let model = candidates.model.unwrap_or_else(|| match routing.model {
+        Some(_) => Arc::from(UNKNOWN_MODEL),
+        None => Arc::from(""),
+    });
+    gw.metrics
+        .incoming
+        .get_or_create(&model_label(model.clone()))
+        .inc();
+    if candidates.backends.is_empty() {
+        return match (&routing.model, known) {
+            (Some(m), false) => {
+                ApiError::not_found(format!("The model `{m}` does not exist.")).into_response()
+            }
+            _ => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no healthy backend serves this model",
+            )
+            .into_response(),
+        };
+    }
+    let prompt = (gw.core.uses_prefixes() && endpoint != Endpoint::Other)
+        .then(|| gw.core.strings.key(&routing.text));
+    let decision = if endpoint == Endpoint::Other {
+        gw.core.pick_by_load(candidates.backends)
+    } else {
+        let session = parts
+            .headers
+            .get(&gw.settings.session_header)
+            .and_then(|v| v.to_str().ok());
+        gw.core
+            .pick(
+                candidates.backends,
+                RequestInput {
+                    session,
+                    prompt: prompt.as_ref(),
+                },
+            )
+            .await
+    };
+    forward(
+        &gw,
+        Outgoing {
+            parts,
+            body,
+            stream: routing.stream,
+            text_bytes: routing.text.len() as u64,
+            received,
+            model,
+        },
+        decision.order,
+        prompt.as_ref(),
+    )
+    .await
+}
+
+/// A request on its way to a backend.
+struct Outgoing {
+    parts: axum::http::request::Parts,
+    body: bytes::Bytes,
+    /// Streamed: the backend's head comes at once, so waiting for it is bounded.
+    stream: bool,
+    /// Length of its request string (against the prompt tokens the answer reports).
+    text_bytes: u64,
+    received: Instant,
+    /// The metric label of its model.
+    model: Arc<str>,
+}
+
+/// Sends the request to the first backend of `order`, moving on after a connection error or a
+/// 5xx (at most `--max-retries` times) while nothing has reached the client yet.
+///
+/// A streamed request whose head has not come within `--upstream-timeout` also moves on (vLLM
+/// sends a stream's head at once, so a missing one means a stuck backend); a non-streamed
+/// answer's head comes only when generation ends, so its wait is bounded by
+/// `--request-timeout` alone. A slow head is never counted against the backend's health: only
+/// a failed connection is (and the health checks decide).
+async fn forward(
+    gw: &Arc<Gateway>,
+    req: Outgoing,
+    order: Vec<Arc<Backend>>,
+    prompt: Option<&PromptKey>,
+) -> Response {
+    let Outgoing {
+        parts,
+        body,
+        stream,
+        text_bytes,
+        received,
+        model,
+    } = req;
+    let request_id = proxy::request_id(&parts.headers);
+    let mut headers = parts.headers;
+    headers.insert("x-request-id", request_id.clone());
+    if !gw.keys.is_open() {
+        // The client's bearer token is this router's key, not the backend's: it stays here.
+        headers.remove(axum::http::header::AUTHORIZATION);
+    }
+    let deadline = received + gw.settings.request_timeout;
+    let attempts = order.len().min(gw.settings.max_retries + 1);
+    let mut last_error: Option<Response> = None;
+    let timed_out = || {
+        ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "the backend did not answer in time",
+        )
+        .into_response()
+    };
+    for (attempt, backend) in order.into_iter().take(attempts).enumerate() {
+        gw.core.sent(prompt, &backend).await;
+        let upstream =
+            proxy::upstream_request(&backend, &parts.method, &parts.uri, &headers, body.clone());
+        let guard = InflightGuard::new(backend.clone());
+        backend.routed.fetch_add(1, Relaxed);
+        if attempt == 0 {
+            gw.metrics
+                .added_latency
+                .observe(received.elapsed().as_secs_f64());
+        }
+        let last = attempt + 1 == attempts;
+        let attempt_deadline = if stream {
+            deadline.min(Instant::now() + gw.settings.upstream_timeout)
+        } else {
+            deadline
+        };
+        match tokio::time::timeout_at(attempt_deadline.into(), gw.client.request(upstream)).await {
+            Err(_) if !last && attempt_deadline < deadline => {
+                tracing::warn!(request_id = ?request_id, backend = backend.url(), "the stream did not begin in time: trying the next backend");
+                record(gw, &backend, &model, 504, received);
+                gw.metrics.count_retry(&backend);
+                last_error = Some(timed_out());
+            }
+            Err(_) => {
+                tracing::warn!(request_id = ?request_id, backend = backend.url(), "request timed out");
+                record(gw, &backend, &model, 504, received);
+                return timed_out();
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(request_id = ?request_id, backend = backend.url(), error = %e, "backend connection failed");
+                if e.is_connect() {
+                    gw.core.backend_failed(&backend);
+                }
+                record(gw, &backend, &model, 502, received);
+                gw.metrics.count_retry(&backend);
+                last_error = Some(bad_gateway(e));
+            }
+            Ok(Ok(resp)) if resp.status().is_server_error() && !last => {
+                tracing::warn!(request_id = ?request_id, backend = backend.url(), status = resp.status().as_u16(), "backend error: trying the next backend");
+                record(gw, &backend, &model, resp.status().as_u16(), received);
+                gw.metrics.count_retry(&backend);
+            }
+            Ok(Ok(resp)) => {
+                let gw2 = gw.clone();
+                let b2 = backend.clone();
+                let on_end = move |ended: proxy::Ended| {
+                    if let (200, Some(tokens)) = (ended.status, ended.prompt_tokens) {
+                        b2.observe_prompt(text_bytes, tokens);
+                    }
+                    record(&gw2, &b2, &model, ended.status, received)
+                };
+                let mut response = proxy::downstream_response(resp, guard, on_end, deadline);
+                response.headers_mut().insert("x-request-id", request_id);
+                tracing::debug!(backend = backend.url(), attempt, "routed");
+                return response;
+            }
+        }
+    }
+    last_error.unwrap_or_else(|| bad_gateway("every backend tried failed"))
+}
+
+fn record(gw: &Gateway, backend: &Backend, model: &Arc<str>, status: u16, received: Instant) {
+    gw.metrics.count_request(
+        RequestLabels {
+            backend: Label(backend.label.clone()),
+            model: Label(model.clone()),
+            status,
+        },
+        received.elapsed().as_secs_f64(),
+    );
+}
