@@ -46,5 +46,6 @@ for w in $workloads; do
   "$exe" bench compare --workload "$w" $(args_for "$w") --model tiny-llama --systems "$systems" \
     --overhead-requests 0 --throughput-secs 0 \
     --fleet sim --sim-servers "$servers" --sim-args "$sim_args" --out "$out/$w/sim"
+  rm -f "$out/$w"/*/*.log
 done
 python3 scripts/fidelity.py "$out" | tee "$out/fidelity.md"

@@ -1,5 +1,6 @@
 //! prefix-bench: the same workload against every routing system, on the same simulated fleet,
 //! in one run. It talks HTTP like a user; our router runs as its own process, like the peers.
+#![forbid(unsafe_code)]
 
 pub mod driver;
 pub mod fleet;

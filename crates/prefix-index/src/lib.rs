@@ -7,6 +7,8 @@
 //!
 //! Stores: [`MemoryStore`] (fastest, lost on restart), [`SqliteStore`] (embedded, durable),
 //! [`PostgresStore`] (shared by several processes).
+// One reviewed `unsafe` (a transparent cast in memory/shard.rs) is allowed where it is.
+#![deny(unsafe_code)]
 
 pub mod blocks;
 pub mod hashing;

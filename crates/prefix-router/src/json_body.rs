@@ -15,6 +15,12 @@ use crate::api_error::ApiError;
 #[derive(Clone, Copy, Debug)]
 pub struct BodyLimit(pub usize);
 
+/// The error a request body gives once `--body-timeout` has passed (the server's accept loop
+/// gives every body that deadline); [`read_body`] answers it with 408.
+#[derive(Debug, thiserror::Error)]
+#[error("the request body did not arrive within the body timeout")]
+pub struct BodyTimedOut;
+
 /// Reads the whole body, refusing more than `limit` bytes with a 413.
 pub async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
     // A declared length over the limit is refused at once, before the client sends the body.
@@ -26,7 +32,7 @@ pub async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
     }
     axum::body::to_bytes(body, limit).await.map_err(|e| {
         let too_big = caused_by::<http_body_util::LengthLimitError>(&e);
-        if caused_by::<crate::server::BodyTimedOut>(&e) {
+        if caused_by::<BodyTimedOut>(&e) {
             ApiError::new(
                 StatusCode::REQUEST_TIMEOUT,
                 "the request body did not arrive in time",

@@ -2,11 +2,13 @@
 //!
 //! The binary's subcommands live here as modules so that tests, `demo` and `bench` can run them
 //! in-process.
+#![forbid(unsafe_code)]
 
 pub mod access;
 pub mod api_error;
 pub mod cli;
 pub mod core;
+pub mod duration;
 pub mod http_metrics;
 pub mod index;
 pub mod index_client;

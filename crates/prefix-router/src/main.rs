@@ -1,3 +1,4 @@
+#![forbid(unsafe_code)]
 use clap::Parser;
 use prefix_router::cli::{init_logging, Cli, Command};
 

@@ -25,13 +25,14 @@ use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 
 use crate::api_error::ApiError;
+use crate::json_body::BodyTimedOut;
 
 /// Limits of the HTTP server, the same for every subcommand that listens.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ServerLimits {
     /// Longest wait for a request's headers, also between keep-alive requests: a client that
     /// sends nothing (or too slowly) loses the connection.
-    #[arg(long, env = "PREFIX_ROUTER_HEADER_TIMEOUT", default_value = "10s", value_parser = crate::cli::duration)]
+    #[arg(long, env = "PREFIX_ROUTER_HEADER_TIMEOUT", default_value = "10s", value_parser = crate::duration::parse)]
     pub header_timeout: Duration,
     /// Largest request head (request line and headers), in bytes; larger gets 431.
     #[arg(long, env = "PREFIX_ROUTER_MAX_HEADER_BYTES", default_value_t = 64 * 1024)]
@@ -41,7 +42,7 @@ pub struct ServerLimits {
     pub max_concurrent: usize,
     /// Longest time to receive a request's body once its headers are in; a slower client gets
     /// 408 (a client that sends headers and then stalls holds nothing for long).
-    #[arg(long, env = "PREFIX_ROUTER_BODY_TIMEOUT", default_value = "30s", value_parser = crate::cli::duration)]
+    #[arg(long, env = "PREFIX_ROUTER_BODY_TIMEOUT", default_value = "30s", value_parser = crate::duration::parse)]
     pub body_timeout: Duration,
 }
 
@@ -162,12 +163,6 @@ impl ConcurrencyLimit {
         })
     }
 }
-
-/// The error a request body gives once `--body-timeout` has passed (see
-/// [`crate::json_body::read_body`], which answers it with 408).
-#[derive(Debug, thiserror::Error)]
-#[error("the request body did not arrive within the body timeout")]
-pub struct BodyTimedOut;
 
 /// A request body that fails with [`BodyTimedOut`] when it has not all arrived in time.
 struct DeadlineBody {

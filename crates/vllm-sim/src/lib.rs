@@ -4,6 +4,7 @@
 //! automatic prefix caching over a bounded KV cache ([`kv_cache`]), a FIFO prefill engine and
 //! bounded decode seats ([`engine`]), vLLM's metrics, and injectable faults. Nothing here
 //! depends on the router: it stands in for vLLM.
+#![forbid(unsafe_code)]
 
 pub mod api;
 pub mod config;

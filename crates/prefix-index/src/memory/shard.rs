@@ -47,6 +47,7 @@ impl Shard {
             None => &[],
             Some(value) if value & LIST_TAG == 0 => {
                 // SAFETY: Stamp is `repr(transparent)` over u64.
+                #[allow(unsafe_code)]
                 std::slice::from_ref(unsafe { &*(value as *const u64 as *const Stamp) })
             }
             Some(value) => &self.lists[(value & !LIST_TAG) as usize],

@@ -207,16 +207,18 @@ impl MatchSource for Arc<StringIndex> {
                 return Err(Unavailable);
             }
         };
-        let ratios: Vec<f64> = candidates.iter().map(|b| b.bytes_per_token()).collect();
-        let mean = ratios.iter().sum::<f64>() / ratios.len().max(1) as f64;
+        // One conversion for all candidates: a chunk is the same text wherever it is held, so
+        // equal chunk matches stay equal (ties go to the least loaded, not to whichever
+        // backend's learned bytes per token happens to be lower).
+        let bytes_per_token = candidates.iter().map(|b| b.bytes_per_token()).sum::<f64>()
+            / candidates.len().max(1) as f64;
         Ok(Matches {
             held_tokens: q
                 .matches
                 .iter()
-                .zip(&ratios)
-                .map(|(&m, &r)| self.tokens(m, r))
+                .map(|&m| self.tokens(m, bytes_per_token))
                 .collect(),
-            total_tokens: self.tokens(q.total, mean),
+            total_tokens: self.tokens(q.total, bytes_per_token),
         })
     }
 
@@ -227,5 +229,39 @@ impl MatchSource for Arc<StringIndex> {
             let (index, key, backend) = (self.clone(), key.clone(), backend.clone());
             tokio::spawn(async move { index.notify(&key, &backend).await });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::backend::BackendSpec;
+    use prefix_index::{MemoryStore, StoreConfig};
+
+    #[tokio::test]
+    async fn equal_chunk_matches_stay_equal_whatever_each_backend_learned() {
+        let store = Arc::new(MemoryStore::new(StoreConfig::default()).unwrap());
+        let index = Arc::new(StringIndex::new(
+            store,
+            PrefixHasher::default(),
+            Duration::from_secs(1),
+            true,
+            &mut Registry::default(),
+        ));
+        let backend = |url: &str, bytes: u64| {
+            let b = Arc::new(Backend::new(BackendSpec::new(url), 100).unwrap());
+            b.observe_prompt(bytes, 10_000);
+            b
+        };
+        // 3.9 and 4.1 bytes per token learned: the same chunks must still weigh the same, so
+        // that ties go to the least loaded.
+        let (a, b) = (backend("http://a:1", 39_000), backend("http://b:1", 41_000));
+        let key = index.key(&"x".repeat(1280));
+        index.sent(&key, &a).await;
+        index.sent(&key, &b).await;
+        let m = index.matches(&key, &[a, b]).await.unwrap();
+        assert_eq!(m.held_tokens[0], m.held_tokens[1]);
+        assert_eq!(m.held_tokens[0], m.total_tokens);
+        assert_eq!(m.total_tokens, 320, "10 chunks of 128 bytes at 4 bytes a token");
     }
 }

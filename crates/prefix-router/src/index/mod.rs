@@ -24,7 +24,7 @@ pub struct IndexArgs {
     #[command(flatten)]
     pub store: StoreArgs,
     /// How often expired entries (see `--ttl`) are purged; 0s never (they stay invisible).
-    #[arg(long, env = "PREFIX_ROUTER_PURGE_INTERVAL", default_value = "10s", value_parser = crate::cli::duration)]
+    #[arg(long, env = "PREFIX_ROUTER_PURGE_INTERVAL", default_value = "10s", value_parser = crate::duration::parse)]
     pub purge_interval: Duration,
     #[command(flatten)]
     pub access: crate::access::AccessArgs,

@@ -63,26 +63,26 @@ pub struct ServeArgs {
     #[arg(long, env = "PREFIX_ROUTER_INDEX_URL")]
     pub index_url: Option<String>,
     /// Longest wait for the prefix store on a request before routing by load.
-    #[arg(long, env = "PREFIX_ROUTER_STORE_TIMEOUT", default_value = "50ms", value_parser = crate::cli::duration)]
+    #[arg(long, env = "PREFIX_ROUTER_STORE_TIMEOUT", default_value = "50ms", value_parser = crate::duration::parse)]
     pub store_timeout: Duration,
     /// Interval of the health checks (`GET /health`).
-    #[arg(long, env = "PREFIX_ROUTER_HEALTH_INTERVAL", default_value = "5s", value_parser = crate::cli::duration)]
+    #[arg(long, env = "PREFIX_ROUTER_HEALTH_INTERVAL", default_value = "5s", value_parser = crate::duration::parse)]
     pub health_interval: Duration,
     /// Failed checks (or connection failures) before a backend leaves the candidates.
     #[arg(long, env = "PREFIX_ROUTER_UNHEALTHY_AFTER", default_value_t = 2)]
     pub unhealthy_after: u32,
     /// Interval of the load scrapes (`GET /metrics`).
-    #[arg(long, env = "PREFIX_ROUTER_METRICS_INTERVAL", default_value = "1s", value_parser = crate::cli::duration)]
+    #[arg(long, env = "PREFIX_ROUTER_METRICS_INTERVAL", default_value = "1s", value_parser = crate::duration::parse)]
     pub metrics_interval: Duration,
     /// Retries on the next candidate after a connection error or a 5xx before any byte went
     /// to the client.
     #[arg(long, env = "PREFIX_ROUTER_MAX_RETRIES", default_value_t = 2)]
     pub max_retries: usize,
     /// Longest a request may take end to end (504 before the answer began).
-    #[arg(long, env = "PREFIX_ROUTER_REQUEST_TIMEOUT", default_value = "600s", value_parser = crate::cli::duration)]
+    #[arg(long, env = "PREFIX_ROUTER_REQUEST_TIMEOUT", default_value = "600s", value_parser = crate::duration::parse)]
     pub request_timeout: Duration,
     /// Longest wait for a TCP connection to a backend.
-    #[arg(long, env = "PREFIX_ROUTER_CONNECT_TIMEOUT", default_value = "2s", value_parser = crate::cli::duration)]
+    #[arg(long, env = "PREFIX_ROUTER_CONNECT_TIMEOUT", default_value = "2s", value_parser = crate::duration::parse)]
     pub connect_timeout: Duration,
     /// Bearer token sent to every backend (a backend's own `api-key` in the config wins).
     #[arg(long, env = "PREFIX_ROUTER_BACKEND_API_KEY", hide_env_values = true)]
@@ -94,7 +94,7 @@ pub struct ServeArgs {
     /// before the next candidate is tried, so a hung backend costs this much, not the whole
     /// request timeout. (A non-streamed answer begins only when generation ends: it is bounded
     /// by --request-timeout alone.)
-    #[arg(long, env = "PREFIX_ROUTER_UPSTREAM_TIMEOUT", default_value = "120s", value_parser = crate::cli::duration)]
+    #[arg(long, env = "PREFIX_ROUTER_UPSTREAM_TIMEOUT", default_value = "120s", value_parser = crate::duration::parse)]
     pub upstream_timeout: Duration,
     /// Bearer token for the remote index (`--index-url`): its admin key when it has one.
     #[arg(long, env = "PREFIX_ROUTER_INDEX_KEY", hide_env_values = true)]
