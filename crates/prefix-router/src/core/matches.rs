@@ -262,6 +262,9 @@ mod tests {
         let m = index.matches(&key, &[a, b]).await.unwrap();
         assert_eq!(m.held_tokens[0], m.held_tokens[1]);
         assert_eq!(m.held_tokens[0], m.total_tokens);
-        assert_eq!(m.total_tokens, 320, "10 chunks of 128 bytes at 4 bytes a token");
+        assert_eq!(
+            m.total_tokens, 320,
+            "10 chunks of 128 bytes at 4 bytes a token"
+        );
     }
 }
