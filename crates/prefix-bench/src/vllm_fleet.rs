@@ -388,6 +388,12 @@ impl VllmFleet {
     }
 }
 
+/// The CPU server `index` computes on: the machine's CPUs in turn.
+fn cpu_for(index: usize) -> String {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (index % cpus).to_string()
+}
+
 fn spawn_server(
     python: &Path,
     model_dir: &Path,
@@ -423,6 +429,9 @@ fn spawn_server(
         .args(["--kv-events-config", &kv_events.to_string()])
         .args(&config.extra_args)
         .envs(offline_env())
+        // vLLM binds its worker's threads to CPU 0 unless told otherwise: every server on this
+        // machine would then compute on the same core. One core each, in turn.
+        .env("VLLM_CPU_OMP_THREADS_BIND", cpu_for(index))
         .stdin(Stdio::piped())
         .stdout(log_file.try_clone()?)
         .stderr(log_file);

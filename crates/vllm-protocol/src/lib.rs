@@ -11,6 +11,7 @@
 pub mod events;
 pub mod subscriber;
 pub mod tokenizer;
+mod word_encoder;
 
 pub use events::{
     decode_batch, decode_message, encode_batch, BlockRemoved, BlockStored, EventBatch, EventError,

@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use minijinja::{Environment, Error as JinjaError, ErrorKind, Value as Jinja};
+
+use crate::word_encoder::WordEncoder;
 use serde_json::{Map, Value};
 
 /// Why token ids could not be computed.
@@ -33,6 +35,8 @@ pub enum TokenizeError {
 /// A model's tokenizer and chat template.
 pub struct ChatTokenizer {
     tokenizer: tokenizers::Tokenizer,
+    /// The direct path to the same ids, where the tokenizer is of its kind.
+    words: Option<WordEncoder>,
     env: Option<Environment<'static>>,
     /// The template iterates over message contents (vLLM's "openai" content format): text
     /// parts stay a list of `{type, text}`; otherwise they are joined with newlines.
@@ -63,6 +67,7 @@ impl ChatTokenizer {
         let mut tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json"))
             .map_err(|e| load_error(dir, format!("tokenizer.json: {e}")))?;
         split_into_words(&mut tokenizer);
+        let words = WordEncoder::new(&tokenizer);
         let config: Map<String, Value> = match std::fs::read(dir.join("tokenizer_config.json")) {
             Ok(bytes) => serde_json::from_slice(&bytes)
                 .map_err(|e| load_error(dir, format!("tokenizer_config.json: {e}")))?,
@@ -107,6 +112,7 @@ impl ChatTokenizer {
         };
         Ok(Arc::new(Self {
             tokenizer,
+            words,
             env,
             content_as_parts,
             developer_role,
@@ -155,6 +161,21 @@ impl ChatTokenizer {
     /// Token ids of `text`. vLLM encodes a rendered chat prompt without adding special
     /// tokens (the template has them) and a completions prompt with them.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        if let Some(words) = &self.words {
+            return words
+                .encode(self.tokenizer.get_model(), text, add_special_tokens)
+                .map_err(TokenizeError::Encode);
+        }
+        self.encode_by_pipeline(text, add_special_tokens)
+    }
+
+    /// [`ChatTokenizer::encode`] through the `tokenizers` pipeline (the reference the direct
+    /// path is checked against).
+    pub fn encode_by_pipeline(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TokenizeError> {
         self.tokenizer
             .encode_fast(text, add_special_tokens)
             .map(|e| e.get_ids().to_vec())
@@ -658,6 +679,81 @@ mod tests {
             python(&v, Some(2)),
             "{\n  \"a\": [\n    1,\n    2,\n    {\n      \"b\": \"é\\\"\\n<\"\n    }\n  ],\n  \"c\": {},\n  \"d\": []\n}"
         );
+    }
+
+    /// A small SentencePiece-style tokenizer (Metaspace without splitting, BPE with byte
+    /// fallback, `<s>` and `</s>` added), written to a directory as `transformers` would.
+    fn sentencepiece_like(dir: &Path) {
+        use tokenizers::models::bpe::BPE;
+        use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
+        let mut vocab: std::collections::HashMap<String, u32> = Default::default();
+        let mut add = |t: &str| {
+            let n = vocab.len() as u32;
+            vocab.entry(t.to_owned()).or_insert(n);
+        };
+        for t in ["<unk>", "<s>", "</s>"] {
+            add(t);
+        }
+        for b in 0..=255u8 {
+            add(&format!("<0x{b:02X}>"));
+        }
+        let merges: Vec<(&str, &str)> = vec![
+            ("▁", "t"), ("h", "e"), ("▁t", "he"), ("▁", "a"), ("a", "b"), ("▁", "▁"),
+            ("▁▁", "▁"), ("▁", "ab"), ("c", "d"), ("cd", "e"), ("d", "e"), ("▁", "c"), ("▁c", "de"),
+        ];
+        for c in ["▁", "t", "h", "e", "a", "b", "c", "d", "\n", "x"] {
+            add(c);
+        }
+        for (a, b) in &merges {
+            add(&format!("{a}{b}"));
+        }
+        let bpe = BPE::builder()
+            .vocab_and_merges(
+                vocab.into_iter().collect::<tokenizers::models::bpe::Vocab>(),
+                merges.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect(),
+            )
+            .unk_token("<unk>".into())
+            .byte_fallback(true)
+            .build()
+            .unwrap();
+        let mut t = tokenizers::Tokenizer::new(bpe);
+        t.with_pre_tokenizer(Some(Metaspace::new('▁', PrependScheme::First, false)));
+        t.add_special_tokens(&[
+            tokenizers::AddedToken::from("<s>", true),
+            tokenizers::AddedToken::from("</s>", true),
+        ]);
+        t.save(dir.join("tokenizer.json"), false).unwrap();
+    }
+
+    #[test]
+    fn the_direct_encoder_gives_the_pipelines_ids() {
+        let dir = std::env::temp_dir().join(format!("vllm-protocol-tok-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        sentencepiece_like(&dir);
+        let ours = ChatTokenizer::from_dir(&dir).unwrap();
+        assert!(ours.words.is_some(), "the direct path is taken");
+        let reference = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        const PIECES: [&str; 14] = [
+            "the", " the", "ab", " ab", "  ", "   ", " ", "\n", "cde", " cde", "é", "<s>", "</s>", "zz",
+        ];
+        let mut s = 0x2545_F491_4F6C_DD1Du64;
+        for _ in 0..2000 {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let len = (s % 12) as usize;
+            let text: String = (0..len)
+                .map(|i| PIECES[((s >> (4 * i)) % PIECES.len() as u64) as usize])
+                .collect();
+            for special in [false, true] {
+                let expected = reference.encode(text.as_str(), special).unwrap();
+                assert_eq!(
+                    ours.encode(&text, special).unwrap(),
+                    expected.get_ids(),
+                    "{text:?} special={special}"
+                );
+            }
+        }
     }
 
     #[test]
