@@ -698,8 +698,19 @@ mod tests {
             add(&format!("<0x{b:02X}>"));
         }
         let merges: Vec<(&str, &str)> = vec![
-            ("▁", "t"), ("h", "e"), ("▁t", "he"), ("▁", "a"), ("a", "b"), ("▁", "▁"),
-            ("▁▁", "▁"), ("▁", "ab"), ("c", "d"), ("cd", "e"), ("d", "e"), ("▁", "c"), ("▁c", "de"),
+            ("▁", "t"),
+            ("h", "e"),
+            ("▁t", "he"),
+            ("▁", "a"),
+            ("a", "b"),
+            ("▁", "▁"),
+            ("▁▁", "▁"),
+            ("▁", "ab"),
+            ("c", "d"),
+            ("cd", "e"),
+            ("d", "e"),
+            ("▁", "c"),
+            ("▁c", "de"),
         ];
         for c in ["▁", "t", "h", "e", "a", "b", "c", "d", "\n", "x"] {
             add(c);
@@ -709,8 +720,13 @@ mod tests {
         }
         let bpe = BPE::builder()
             .vocab_and_merges(
-                vocab.into_iter().collect::<tokenizers::models::bpe::Vocab>(),
-                merges.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect(),
+                vocab
+                    .into_iter()
+                    .collect::<tokenizers::models::bpe::Vocab>(),
+                merges
+                    .iter()
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .collect(),
             )
             .unk_token("<unk>".into())
             .byte_fallback(true)
@@ -734,7 +750,8 @@ mod tests {
         assert!(ours.words.is_some(), "the direct path is taken");
         let reference = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
         const PIECES: [&str; 14] = [
-            "the", " the", "ab", " ab", "  ", "   ", " ", "\n", "cde", " cde", "é", "<s>", "</s>", "zz",
+            "the", " the", "ab", " ab", "  ", "   ", " ", "\n", "cde", " cde", "é", "<s>", "</s>",
+            "zz",
         ];
         let mut s = 0x2545_F491_4F6C_DD1Du64;
         for _ in 0..2000 {

@@ -163,7 +163,12 @@ impl WordEncoder {
         Ok(())
     }
 
-    fn encode_word(&self, model: &ModelWrapper, word: &str, ids: &mut Vec<u32>) -> Result<(), String> {
+    fn encode_word(
+        &self,
+        model: &ModelWrapper,
+        word: &str,
+        ids: &mut Vec<u32>,
+    ) -> Result<(), String> {
         let shard = &self.cache[(xxhash_rust::xxh3::xxh3_64(word.as_bytes()) as usize) % SHARDS];
         if let Some(cached) = shard.read().get(word) {
             ids.extend_from_slice(cached);
