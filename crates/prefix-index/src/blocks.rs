@@ -291,6 +291,15 @@ impl BlockIndex {
         names.len()
     }
 
+    /// Blocks held, all backends together.
+    pub fn total_blocks(&self) -> usize {
+        self.backends
+            .read()
+            .values()
+            .map(|b| b.blocks.lock().len())
+            .sum()
+    }
+
     /// Blocks `backend` holds.
     pub fn blocks(&self, backend: ServerId) -> usize {
         self.backends

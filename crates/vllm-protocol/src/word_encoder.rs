@@ -22,6 +22,9 @@ use tokenizers::Model;
 const SHARD_WORDS: usize = 1 << 14;
 const SHARDS: usize = 16;
 
+/// One shard of the word cache: a word's text to its token ids.
+type WordShard = RwLock<HashMap<Box<str>, Box<[u32]>, foldhash::fast::RandomState>>;
+
 pub(crate) struct WordEncoder {
     mark: char,
     prepend: PrependScheme,
@@ -31,7 +34,7 @@ pub(crate) struct WordEncoder {
     /// Ids the post-processor puts around a sequence when special tokens are added.
     special_prefix: Vec<u32>,
     special_suffix: Vec<u32>,
-    cache: Vec<RwLock<HashMap<Box<str>, Box<[u32]>, foldhash::fast::RandomState>>>,
+    cache: Vec<WordShard>,
 }
 
 impl WordEncoder {

@@ -237,6 +237,7 @@ impl Run {
             block_hashes: block_hashes(&sequence, engine.config.block_size),
             prompt_tokens: prompt.len(),
             total_tokens: sequence.len(),
+            tokens: sequence.into(),
         };
         let admitted = engine
             .submit(job)

@@ -52,6 +52,10 @@ pub struct SimConfig {
     /// template.
     #[arg(long)]
     pub tokenizer: Option<std::path::PathBuf>,
+    /// Publish KV-cache events as vLLM does (ZMQ PUB on a free loopback port per server,
+    /// printed at start and in `/sim/state`); needs `--tokenizer` (token ids as vLLM's).
+    #[arg(long)]
+    pub kv_events: bool,
     /// The text model loaded from `tokenizer` (by [`SimConfig::load`]).
     #[arg(skip)]
     pub text: crate::text::TextModel,
@@ -91,6 +95,10 @@ impl SimConfig {
         anyhow::ensure!(
             (0.0..=1.0).contains(&self.fail_rate),
             "--fail-rate must be within 0..1"
+        );
+        anyhow::ensure!(
+            !self.kv_events || self.tokenizer.is_some(),
+            "--kv-events needs --tokenizer: events carry token ids, and the byte model's are not vLLM's"
         );
         Ok(())
     }

@@ -15,13 +15,16 @@ use parking_lot::Mutex;
 use tokio::sync::{oneshot, Notify};
 
 use crate::config::SimConfig;
-use crate::kv_cache::{Allocation, KvCache, Shortage};
+use crate::kv_cache::{Allocation, CacheEvent, KvCache, Shortage};
 use crate::metrics::{Gauges, Metrics};
+use crate::tokens::TokenId;
 
 /// What the engine needs to know of a request.
 pub struct Job {
     /// Hashes of every full block of the prompt followed by the whole answer.
     pub block_hashes: Vec<u64>,
+    /// The prompt followed by the whole answer (the tokens the KV events report).
+    pub tokens: Arc<[TokenId]>,
     pub prompt_tokens: usize,
     /// Prompt plus answer.
     pub total_tokens: usize,
@@ -70,6 +73,8 @@ pub struct Engine {
     time_scale_bits: AtomicU64,
     /// Wakes streams when the server is killed.
     pub kill_signal: Notify,
+    /// Where the cache's changes go when KV events are published.
+    events_out: Mutex<Option<tokio::sync::mpsc::UnboundedSender<Vec<CacheEvent>>>>,
 }
 
 impl Engine {
@@ -87,10 +92,28 @@ impl Engine {
             stopped: AtomicBool::new(false),
             time_scale_bits: AtomicU64::new(config.time_scale.to_bits()),
             kill_signal: Notify::new(),
+            events_out: Mutex::new(None),
             config,
         });
         tokio::spawn(schedule(engine.clone()));
         engine
+    }
+
+    /// Sends the cache's changes to `out` from now on (the KV-event publisher).
+    pub fn publish_to(&self, out: tokio::sync::mpsc::UnboundedSender<Vec<CacheEvent>>) {
+        self.state.lock().cache.record_events();
+        *self.events_out.lock() = Some(out);
+    }
+
+    /// Hands the cache's changes since the last call to the publisher, if there is one.
+    fn publish_events(&self) {
+        let out = self.events_out.lock();
+        if let Some(out) = out.as_ref() {
+            let events = self.state.lock().cache.take_events();
+            if !events.is_empty() {
+                let _ = out.send(events);
+            }
+        }
     }
 
     /// Stops the scheduler (the server is going away); queued requests are refused.
@@ -121,6 +144,7 @@ impl Engine {
     /// Empties the cache and the counters.
     pub fn reset(&self) {
         self.state.lock().cache.reset();
+        self.publish_events();
         self.metrics.reset();
     }
 
@@ -224,7 +248,11 @@ async fn schedule(engine: Arc<Engine>) {
                     total_blocks,
                 }));
             }
-            Some(Ok((w, alloc))) => prefill(&engine, w, alloc, &mut free_at).await,
+            Some(Ok((w, alloc))) => {
+                // The allocation may have evicted blocks.
+                engine.publish_events();
+                prefill(&engine, w, alloc, &mut free_at).await
+            }
         }
     }
 }
@@ -246,7 +274,9 @@ async fn prefill(engine: &Arc<Engine>, w: Waiting, mut alloc: Allocation, free_a
     engine.state.lock().cache.commit(
         &mut alloc,
         &w.job.block_hashes[..prompt_blocks.min(w.job.block_hashes.len())],
+        &w.job.tokens,
     );
+    engine.publish_events();
     let m = &engine.metrics;
     m.prefix_cache_queries
         .fetch_add(w.job.prompt_tokens as u64, Relaxed);
@@ -261,6 +291,7 @@ async fn prefill(engine: &Arc<Engine>, w: Waiting, mut alloc: Allocation, free_a
         engine: engine.clone(),
         alloc: Some(alloc),
         hashes: w.job.block_hashes,
+        tokens: w.job.tokens,
     };
     // If the client left meanwhile, the lease comes back and is dropped: blocks and seat free.
     let _ = w.reply.send(Ok(Admitted {
@@ -276,6 +307,7 @@ pub struct Lease {
     engine: Arc<Engine>,
     alloc: Option<Allocation>,
     hashes: Vec<u64>,
+    tokens: Arc<[TokenId]>,
 }
 
 impl Lease {
@@ -285,10 +317,13 @@ impl Lease {
         if let Some(mut alloc) = self.alloc.take() {
             let blocks = (tokens_done / self.engine.config.block_size).min(self.hashes.len());
             let mut state = self.engine.state.lock();
-            state.cache.commit(&mut alloc, &self.hashes[..blocks]);
+            state
+                .cache
+                .commit(&mut alloc, &self.hashes[..blocks], &self.tokens);
             state.cache.release(alloc);
             state.running -= 1;
             drop(state);
+            self.engine.publish_events();
             self.engine.wake.notify_one();
         }
     }

@@ -67,6 +67,19 @@ pub enum Shortage {
     Never { needed: usize, total: usize },
 }
 
+/// A change of what the cache holds, as vLLM reports it in its KV-cache events.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// Blocks `hashes` (after `parent`) were cached, holding `tokens`.
+    Stored {
+        hashes: Vec<u64>,
+        parent: Option<u64>,
+        tokens: Vec<TokenId>,
+    },
+    Removed(u64),
+    Cleared,
+}
+
 pub struct KvCache {
     block_size: usize,
     blocks: Vec<Block>,
@@ -74,6 +87,8 @@ pub struct KvCache {
     head: u32,
     tail: u32,
     free: usize,
+    /// Changes since the last [`KvCache::take_events`], when events are published.
+    events: Option<Vec<CacheEvent>>,
 }
 
 impl KvCache {
@@ -93,6 +108,7 @@ impl KvCache {
             head: NONE,
             tail: NONE,
             free: 0,
+            events: None,
         };
         for b in 0..num_blocks as u32 {
             cache.push_free(b);
@@ -102,6 +118,16 @@ impl KvCache {
 
     pub fn block_size(&self) -> usize {
         self.block_size
+    }
+
+    /// Starts recording changes for [`KvCache::take_events`].
+    pub fn record_events(&mut self) {
+        self.events.get_or_insert_with(Vec::new);
+    }
+
+    /// The changes since the last call (empty unless recording).
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -161,6 +187,9 @@ impl KvCache {
             self.unlink_free(b);
             if let Some(old) = self.blocks[b as usize].hash.take() {
                 self.cached.remove(&old);
+                if let Some(events) = &mut self.events {
+                    events.push(CacheEvent::Removed(old));
+                }
             }
             self.blocks[b as usize].refs = 1;
             blocks.push(b);
@@ -173,21 +202,36 @@ impl KvCache {
     }
 
     /// Registers the request's full blocks named by `hashes` (its prompt after prefill, or its
-    /// whole sequence when it finishes) so later requests can reuse them.
-    pub fn commit(&mut self, alloc: &mut Allocation, hashes: &[u64]) {
+    /// whole sequence when it finishes) so later requests can reuse them. `tokens` is the
+    /// sequence the hashes name (for the events).
+    pub fn commit(&mut self, alloc: &mut Allocation, hashes: &[u64], tokens: &[TokenId]) {
         let upto = hashes.len().min(alloc.blocks.len());
-        let pending = alloc.blocks[..upto]
-            .iter()
-            .zip(&hashes[..upto])
-            .skip(alloc.committed);
-        for (&b, &hash) in pending {
+        let mut stored: Vec<usize> = Vec::new();
+        let new = alloc.blocks[..upto].iter().zip(hashes).enumerate();
+        for (i, (&b, &hash)) in new.skip(alloc.committed) {
             // Another request may have computed the same block meanwhile: keep the first.
             if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash) {
                 e.insert(b);
                 self.blocks[b as usize].hash = Some(hash);
+                stored.push(i);
             }
         }
         alloc.committed = alloc.committed.max(upto);
+        if let Some(events) = &mut self.events {
+            // One event per run of consecutive new blocks, after the block before the run.
+            let bs = self.block_size;
+            for run in stored.chunk_by(|a, b| b == &(a + 1)) {
+                let (first, last) = (run[0], run[run.len() - 1]);
+                events.push(CacheEvent::Stored {
+                    hashes: hashes[first..=last].to_vec(),
+                    parent: first.checked_sub(1).map(|p| hashes[p]),
+                    tokens: tokens
+                        .get(first * bs..(last + 1) * bs)
+                        .unwrap_or_default()
+                        .to_vec(),
+                });
+            }
+        }
     }
 
     /// Unpins the request's blocks, last block first, onto the tail of the free queue.
@@ -207,6 +251,10 @@ impl KvCache {
             block.hash = None;
         }
         self.cached.clear();
+        if let Some(events) = &mut self.events {
+            events.clear();
+            events.push(CacheEvent::Cleared);
+        }
     }
 
     /// Cached blocks (pinned or free).
@@ -260,7 +308,7 @@ mod tests {
         assert_eq!((hashes.len(), tokens), (4, 9));
         let mut a = cache.allocate(&hashes, tokens, tokens).unwrap();
         assert_eq!(a.cached_blocks(), 0);
-        cache.commit(&mut a, &hashes);
+        cache.commit(&mut a, &hashes, &[]);
         cache.release(a);
         let b = cache.allocate(&hashes, tokens, tokens).unwrap();
         assert_eq!(b.cached_blocks(), 4);
@@ -272,7 +320,7 @@ mod tests {
         let mut cache = KvCache::new(10, 2);
         let (hashes, tokens) = seq("aaaabbbbccccdddd"); // 4 tokens, 2 full blocks
         let mut a = cache.allocate(&hashes, tokens, tokens).unwrap();
-        cache.commit(&mut a, &hashes);
+        cache.commit(&mut a, &hashes, &[]);
         cache.release(a);
         assert_eq!(cache.probe(&hashes, tokens), 1);
     }
@@ -284,10 +332,10 @@ mod tests {
         let (a_hashes, a_tokens) = seq("aaaabbbbccccddddq");
         let (b_hashes, b_tokens) = seq("xxxxyyyyzzzzwwwwq");
         let mut a = cache.allocate(&a_hashes, a_tokens, 4).unwrap();
-        cache.commit(&mut a, &a_hashes);
+        cache.commit(&mut a, &a_hashes, &[]);
         cache.release(a); // free queue: a1, a0
         let mut b = cache.allocate(&b_hashes, b_tokens, 4).unwrap(); // takes the 2 never-used blocks
-        cache.commit(&mut b, &b_hashes);
+        cache.commit(&mut b, &b_hashes, &[]);
         cache.release(b); // free queue: a1 a0 b1 b0
         assert_eq!(cache.probe(&a_hashes, a_tokens), 2);
         // One new block evicts a's tail (a1): a keeps its first block.
@@ -299,11 +347,51 @@ mod tests {
     }
 
     #[test]
+    fn changes_are_reported_as_vllm_reports_them() {
+        let mut cache = KvCache::new(3, 2);
+        cache.record_events();
+        let ids = tokenize(b"aaaabbbbcccc"); // 3 tokens of 4 bytes: one full block
+        let ids2 = tokenize(b"aaaabbbbccccdddd"); // 4 tokens: two full blocks
+        let (h1, h2) = (block_hashes(&ids, 2), block_hashes(&ids2, 2));
+        let mut a = cache.allocate(&h1, 3, 3).unwrap();
+        cache.commit(&mut a, &h1, &ids);
+        cache.release(a);
+        let mut b = cache.allocate(&h2, 4, 4).unwrap();
+        cache.commit(&mut b, &h2, &ids2);
+        cache.release(b);
+        assert_eq!(
+            cache.take_events(),
+            vec![
+                CacheEvent::Stored {
+                    hashes: vec![h1[0]],
+                    parent: None,
+                    tokens: ids[..2].to_vec()
+                },
+                // The first block was a hit: only the second is new, after the first.
+                CacheEvent::Stored {
+                    hashes: vec![h2[1]],
+                    parent: Some(h2[0]),
+                    tokens: ids2[2..4].to_vec()
+                },
+            ]
+        );
+        // A request of three blocks evicts both cached blocks.
+        let (other, n) = seq("zzzzyyyyxxxxwwwwvvvv");
+        let c = cache.allocate(&other, n, n).unwrap();
+        let evicted = cache.take_events();
+        assert_eq!(evicted.len(), 2);
+        assert!(evicted.iter().all(|e| matches!(e, CacheEvent::Removed(_))));
+        cache.release(c);
+        cache.reset();
+        assert_eq!(cache.take_events(), vec![CacheEvent::Cleared]);
+    }
+
+    #[test]
     fn pinned_blocks_are_never_evicted_and_shortage_is_reported() {
         let mut cache = KvCache::new(3, 2);
         let (hashes, tokens) = seq("aaaabbbbccccddddeeeeffff"); // 6 tokens, 3 full blocks
         let mut a = cache.allocate(&hashes, tokens, tokens).unwrap();
-        cache.commit(&mut a, &hashes);
+        cache.commit(&mut a, &hashes, &[]);
         assert_eq!(cache.usage(), 1.0);
         let (other, other_tokens) = seq("zz");
         assert_eq!(

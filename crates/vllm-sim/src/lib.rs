@@ -9,6 +9,7 @@
 pub mod api;
 pub mod config;
 pub mod engine;
+pub mod events;
 pub mod kv_cache;
 pub mod metrics;
 pub mod openai;
@@ -42,7 +43,10 @@ pub async fn run(
     anyhow::ensure!(args.servers > 0, "--servers must be at least 1");
     let fleet = Fleet::start(args.config, args.servers, args.listen).await?;
     for (i, server) in fleet.servers.iter().enumerate() {
-        println!("sim server {i}: {}", server.url());
+        match &server.kv_events {
+            Some(events) => println!("sim server {i}: {}   kv events: {events}", server.url()),
+            None => println!("sim server {i}: {}", server.url()),
+        }
     }
     shutdown.await;
     fleet.shutdown().await;

@@ -64,15 +64,26 @@ impl Service<Request<Incoming>> for KillSwitch {
 pub struct SimServer {
     pub addr: SocketAddr,
     pub engine: Arc<Engine>,
+    /// Its KV-event publisher (`--kv-events`).
+    pub kv_events: Option<String>,
     stop: watch::Sender<bool>,
     task: JoinHandle<()>,
 }
 
 impl SimServer {
     /// Serves a new simulated server on `listener`.
-    pub fn spawn(listener: TcpListener, config: Arc<SimConfig>) -> anyhow::Result<Self> {
+    pub async fn spawn(listener: TcpListener, config: Arc<SimConfig>) -> anyhow::Result<Self> {
         let addr = listener.local_addr()?;
+        let kv = config.kv_events;
+        let block_size = config.block_size;
         let engine = Engine::start(config);
+        let kv_events = if kv {
+            let publisher = crate::events::start(block_size).await?;
+            engine.publish_to(publisher.changes);
+            Some(publisher.endpoint)
+        } else {
+            None
+        };
         let app = KillSwitch {
             router: api::router(Server::new(engine.clone(), &addr.port().to_string())),
             engine: engine.clone(),
@@ -82,6 +93,7 @@ impl SimServer {
         Ok(Self {
             addr,
             engine,
+            kv_events,
             stop,
             task,
         })
@@ -148,9 +160,17 @@ impl Fleet {
             let listener = TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("cannot listen on {addr}"))?;
-            servers.push(SimServer::spawn(listener, config.clone())?);
+            servers.push(SimServer::spawn(listener, config.clone()).await?);
         }
         Ok(Self { servers })
+    }
+
+    /// The servers' KV-event publishers (empty without `--kv-events`).
+    pub fn kv_events(&self) -> Vec<String> {
+        self.servers
+            .iter()
+            .filter_map(|s| s.kv_events.clone())
+            .collect()
     }
 
     pub fn urls(&self) -> Vec<String> {

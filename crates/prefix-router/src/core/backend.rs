@@ -20,6 +20,9 @@ pub struct BackendSpec {
     pub weight: u32,
     /// Bearer token sent to this backend.
     pub api_key: Option<String>,
+    /// Its KV-event publisher, e.g. `tcp://10.0.0.5:5557` (default: its host and
+    /// `--kv-events-port`).
+    pub kv_events: Option<String>,
 }
 
 impl BackendSpec {
@@ -30,6 +33,7 @@ impl BackendSpec {
             capacity: None,
             weight: 1,
             api_key: None,
+            kv_events: None,
         }
     }
 }

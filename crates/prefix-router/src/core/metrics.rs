@@ -19,6 +19,8 @@ use crate::metric_label::{BackendLabels, Label, ServerLabels};
 pub struct DecisionLabels {
     pub policy: &'static str,
     pub reason: &'static str,
+    /// Which index answered for the chosen backend: `events`, `strings`, or `none`.
+    pub index: &'static str,
 }
 
 pub struct CoreMetrics {
@@ -61,7 +63,7 @@ impl CoreMetrics {
         let f = &m.fleet;
         r.register(
             "prefix_router_routing_decisions",
-            "Routing decisions by policy and reason",
+            "Routing decisions by policy, reason and the index that answered for the chosen backend",
             m.decisions.clone(),
         );
         r.register(

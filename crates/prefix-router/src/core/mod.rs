@@ -7,6 +7,7 @@
 //! coming back) in one place, for the monitor and discovery to call.
 
 pub mod backend;
+pub mod events;
 pub mod matches;
 pub mod metrics;
 pub mod policy;
@@ -38,6 +39,8 @@ pub struct RequestInput<'a> {
     pub session: Option<&'a str>,
     /// What the string index matches (None: route by load only).
     pub prompt: Option<&'a PromptKey>,
+    /// Its token ids exactly as vLLM computes them, when the router could (precise mode).
+    pub tokens: Option<&'a [u32]>,
 }
 
 /// The candidates for a model: the healthy backends serving it.
@@ -55,6 +58,18 @@ pub struct Decision {
     pub reason: Reason,
     /// Matched ÷ request tokens of the chosen backend (prefix policies).
     pub matched_ratio: Option<f64>,
+    /// Which index answered for the chosen backend: `events`, `strings`, or `none`.
+    pub index: &'static str,
+    /// The request's token-block names (precise mode), to credit where it is sent.
+    pub block_names: Option<Arc<[u64]>>,
+}
+
+/// Where precise matches come from.
+#[derive(Clone, Debug)]
+pub struct EventsSettings {
+    pub events: events::EventSettings,
+    /// A backend's publisher when its config names none: its host, this port.
+    pub default_port: u16,
 }
 
 /// Called with a backend that left the fleet.
@@ -64,6 +79,9 @@ type BackendListener = Box<dyn Fn(&Backend) + Send + Sync>;
 pub struct Core {
     pub fleet: Fleet,
     pub strings: Arc<StringIndex>,
+    /// The backends' KV events (`--kv-events`), if followed.
+    pub events: Option<Arc<events::KvEvents>>,
+    events_port: u16,
     policy: Box<dyn Policy>,
     least_loaded: policy::LeastLoaded,
     turn: AtomicU64,
@@ -80,6 +98,7 @@ impl Core {
     /// A core with an empty fleet, registering its metrics in `registry`.
     pub fn new(
         strings: StringIndex,
+        events: Option<EventsSettings>,
         policy: &PolicySettings,
         settings: CoreSettings,
         registry: &mut Registry,
@@ -87,6 +106,8 @@ impl Core {
         Self {
             fleet: Fleet::default(),
             strings: Arc::new(strings),
+            events_port: events.as_ref().map_or(0, |e| e.default_port),
+            events: events.map(|e| events::KvEvents::new(e.events, registry)),
             policy: policy::build(policy),
             least_loaded: policy::LeastLoaded,
             turn: AtomicU64::new(0),
@@ -140,31 +161,61 @@ impl Core {
     }
 
     /// Orders `candidates` (not empty) for a request by the configured policy, asking the
-    /// match source first when the policy uses matches.
+    /// match sources first when the policy uses matches: the token-block index for backends
+    /// whose events are live, the string index for the others (both answer in tokens).
     pub async fn pick(&self, candidates: Vec<Arc<Backend>>, input: RequestInput<'_>) -> Decision {
         let mut rows: Vec<CandidateRow> = candidates.iter().map(|b| b.row()).collect();
-        let matches = match input.prompt {
-            Some(key) if self.policy.needs_matches() && !key.chunks.is_empty() => {
-                match self.strings.matches(key, &candidates).await {
-                    Ok(m) => {
-                        for (row, held) in rows.iter_mut().zip(m.held_tokens) {
-                            row.matched_tokens = held;
-                        }
-                        MatchFacts::Known {
-                            total_tokens: m.total_tokens,
-                        }
-                    }
-                    Err(matches::Unavailable) => MatchFacts::Unavailable,
+        let mut matches = MatchFacts::None;
+        let mut sources: Vec<&'static str> = vec!["none"; rows.len()];
+        let mut block_names = None;
+        if self.policy.needs_matches() {
+            let precise = match (&self.events, input.tokens) {
+                (Some(events), Some(tokens)) => events.names(tokens).map(|names| {
+                    let held = events.matches(&names, tokens.len(), &candidates);
+                    (Arc::<[u64]>::from(names), held)
+                }),
+                _ => None,
+            };
+            let need_strings = precise
+                .as_ref()
+                .is_none_or(|(_, held)| held.iter().any(Option::is_none));
+            let strings = match input.prompt {
+                Some(key) if need_strings && !key.chunks.is_empty() => {
+                    Some(self.strings.matches(key, &candidates).await)
+                }
+                _ => None,
+            };
+            let total = input.tokens.map(|t| t.len() as u64).or(match &strings {
+                Some(Ok(m)) => Some(m.total_tokens),
+                _ => None,
+            });
+            for (i, row) in rows.iter_mut().enumerate() {
+                if let Some(held) = precise.as_ref().and_then(|(_, h)| h[i]) {
+                    row.matched_tokens = held;
+                    sources[i] = "events";
+                } else if let Some(Ok(m)) = &strings {
+                    row.matched_tokens = m.held_tokens[i];
+                    sources[i] = "strings";
                 }
             }
-            _ => MatchFacts::None,
-        };
+            let any_source = sources.iter().any(|s| *s != "none");
+            matches = match (total, strings.as_ref()) {
+                (Some(total_tokens), _) if any_source || total_tokens == 0 => {
+                    MatchFacts::Known { total_tokens }
+                }
+                (_, Some(Err(matches::Unavailable))) => MatchFacts::Unavailable,
+                _ => MatchFacts::None,
+            };
+            block_names = precise.map(|(names, _)| names);
+        }
         let facts = RequestFacts {
             session: input.session,
             matches,
             turn: self.turn.fetch_add(1, Relaxed),
         };
-        self.decide(&*self.policy, candidates, &rows, &facts)
+        let mut decision = self.decide(&*self.policy, candidates, &rows, &facts, &sources);
+        decision.block_names = block_names;
+        decision
     }
 
     /// Orders `candidates` (not empty) by load alone (endpoints with nothing to match).
@@ -175,7 +226,8 @@ impl Core {
             matches: MatchFacts::None,
             turn: self.turn.fetch_add(1, Relaxed),
         };
-        self.decide(&self.least_loaded, candidates, &rows, &facts)
+        let sources = vec!["none"; rows.len()];
+        self.decide(&self.least_loaded, candidates, &rows, &facts, &sources)
     }
 
     fn decide(
@@ -184,14 +236,17 @@ impl Core {
         candidates: Vec<Arc<Backend>>,
         rows: &[CandidateRow],
         facts: &RequestFacts,
+        sources: &[&'static str],
     ) -> Decision {
         let choice = policy.choose(rows, facts);
         debug_assert_eq!(choice.order.len(), candidates.len());
+        let index = sources[choice.order[0]];
         self.metrics
             .decisions
             .get_or_create(&DecisionLabels {
                 policy: policy.name(),
                 reason: choice.reason.label(),
+                index,
             })
             .inc();
         if let Some(ratio) = choice.matched_ratio {
@@ -205,19 +260,44 @@ impl Core {
                 .collect(),
             reason: choice.reason,
             matched_ratio: choice.matched_ratio,
+            index,
+            block_names: None,
         }
     }
 
-    /// The request was sent to `backend`.
-    pub async fn sent(&self, prompt: Option<&PromptKey>, backend: &Arc<Backend>) {
+    /// The request was sent to `backend`: the string index learns it (it answers for backends
+    /// without live events, and for all of them should the events fail), and the chosen
+    /// backend is credited with the request's blocks.
+    pub async fn sent(
+        &self,
+        prompt: Option<&PromptKey>,
+        block_names: Option<&Arc<[u64]>>,
+        backend: &Arc<Backend>,
+    ) {
         if let Some(key) = prompt.filter(|_| self.policy.needs_matches()) {
             self.strings.sent(key, backend).await;
+        }
+        if let (Some(events), Some(names)) = (&self.events, block_names) {
+            events.credit(backend.id, names.clone());
         }
     }
 
     /// Refreshes the fleet's gauges before a scrape.
     pub fn observe_fleet(&self) {
         self.metrics.observe_fleet(&self.fleet.all());
+        if let Some(events) = &self.events {
+            events.observe();
+        }
+    }
+
+    /// The KV-event publisher of a backend: its configured one, else its host and the default
+    /// port.
+    fn events_endpoint(&self, backend: &Backend) -> Option<String> {
+        if let Some(endpoint) = &backend.spec().kv_events {
+            return Some(endpoint.clone());
+        }
+        let host = backend.base.host()?;
+        Some(format!("tcp://{host}:{}", self.events_port))
     }
 
     /// A health check or a connection failed; after `--unhealthy-after` the backend leaves the
@@ -229,6 +309,9 @@ impl Core {
                 "backend is unhealthy: it leaves the candidates"
             );
             self.forget(backend.clone());
+            if let Some(events) = &self.events {
+                events.forget(backend.id);
+            }
         }
     }
 
@@ -315,6 +398,9 @@ impl Core {
         for b in &change.added {
             tracing::info!(backend = b.url(), "backend joined");
             self.restore_capacity(b).await;
+        }
+        if let Some(events) = &self.events {
+            events.sync(&self.fleet.all(), |b| self.events_endpoint(b));
         }
         Ok(change.added)
     }

@@ -59,6 +59,31 @@ pub struct ServeArgs {
     pub session_header: String,
     #[command(flatten)]
     pub store: StoreArgs,
+    /// Precise mode: follow every backend's KV-cache events (vLLM's ZMQ publisher) and match
+    /// requests by their token blocks where a backend's events are live; the string index
+    /// answers for the others. Needs a tokenizer per model (`--tokenizer`).
+    #[arg(long, env = "PREFIX_ROUTER_KV_EVENTS")]
+    pub kv_events: bool,
+    /// The publishers' port on the backends' hosts (vLLM's default), unless a backend's
+    /// config names its own (`kv-events = "tcp://host:port"`).
+    #[arg(long, env = "PREFIX_ROUTER_KV_EVENTS_PORT", default_value_t = 5557)]
+    pub kv_events_port: u16,
+    /// A backend whose events were joined mid-stream (a late start, a sequence gap) is
+    /// trusted after this long; the string index answers for it meanwhile.
+    #[arg(long, env = "PREFIX_ROUTER_KV_WARMUP", default_value = "30s", value_parser = crate::duration::parse)]
+    pub kv_warmup: Duration,
+    /// How long a routed request's blocks count as held before the backend reports them.
+    #[arg(long, env = "PREFIX_ROUTER_KV_CREDIT", default_value = "2s", value_parser = crate::duration::parse)]
+    pub kv_credit: Duration,
+    /// `MODEL=DIR`: the model's tokenizer and chat template (`tokenizer.json`,
+    /// `tokenizer_config.json`, `chat_template.jinja`), to compute token ids as vLLM does
+    /// (repeatable; `[tokenizers]` in the config file).
+    #[arg(
+        long = "tokenizer",
+        env = "PREFIX_ROUTER_TOKENIZERS",
+        value_delimiter = ','
+    )]
+    pub tokenizers: Vec<String>,
     /// A shared remote `prefix-router index` to use as the store instead of `--store`.
     #[arg(long, env = "PREFIX_ROUTER_INDEX_URL")]
     pub index_url: Option<String>,
@@ -159,6 +184,8 @@ struct FileBackend {
     weight: Option<u32>,
     #[serde(alias = "api_key")]
     api_key: Option<String>,
+    #[serde(alias = "kv_events")]
+    kv_events: Option<String>,
 }
 
 #[derive(clap::Parser)]
@@ -251,6 +278,19 @@ impl ServeArgs {
         Ok(())
     }
 
+    /// `--tokenizer MODEL=DIR` pairs.
+    pub fn tokenizer_dirs(&self) -> anyhow::Result<Vec<(String, PathBuf)>> {
+        self.tokenizers
+            .iter()
+            .map(|pair| {
+                let (model, dir) = pair
+                    .split_once('=')
+                    .with_context(|| format!("--tokenizer {pair:?}: expected MODEL=DIR"))?;
+                Ok((model.to_owned(), PathBuf::from(dir)))
+            })
+            .collect()
+    }
+
     /// The Kubernetes discovery settings, when `--discovery k8s`.
     pub fn k8s(&self) -> Option<super::discovery::K8sSettings> {
         (self.discovery == "k8s").then(|| super::discovery::K8sSettings {
@@ -297,6 +337,7 @@ impl ServeArgs {
                 spec.capacity = b.capacity;
                 spec.weight = b.weight.unwrap_or(1);
                 spec.api_key = b.api_key.or_else(|| self.backend_api_key.clone());
+                spec.kv_events = b.kv_events;
                 specs.retain(|s| s.url != spec.url);
                 specs.push(spec);
             }
@@ -355,6 +396,29 @@ fn file_flags(path: &Path) -> anyhow::Result<Vec<String>> {
     for (key, value) in table {
         // Backends are read by `backend_specs` (at start and at every reload).
         if key == "backends" || key == "backend" {
+            continue;
+        }
+        // `[tokenizers]`: model = "dir", as `--tokenizer model=dir`.
+        if key == "tokenizers" {
+            let toml::Value::Table(models) = &value else {
+                bail!(
+                    "`tokenizers` in {} must be a table of model = \"dir\"",
+                    path.display()
+                );
+            };
+            if std::env::var_os("PREFIX_ROUTER_TOKENIZERS").is_some() {
+                continue;
+            }
+            for (model, dir) in models {
+                let dir = dir.as_str().with_context(|| {
+                    format!(
+                        "tokenizers.{model} in {} must be a directory",
+                        path.display()
+                    )
+                })?;
+                argv.push("--tokenizer".to_owned());
+                argv.push(format!("{model}={dir}"));
+            }
             continue;
         }
         let flag = key.replace('_', "-");

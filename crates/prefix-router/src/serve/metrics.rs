@@ -36,7 +36,14 @@ fn latency() -> Histogram {
     Histogram::new(exponential_buckets(1e-5, 2.0, 23))
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FallbackLabels {
+    pub reason: &'static str,
+}
+
 pub struct GatewayMetrics {
+    /// Requests matched by strings because their token ids could not be computed exactly.
+    pub tokenize_fallbacks: Family<FallbackLabels, Counter>,
     requests: Family<RequestLabels, Counter>,
     /// The `requests` label sets created per backend, so they can go when the backend does
     /// (written only when a new set appears).
@@ -50,6 +57,7 @@ pub struct GatewayMetrics {
 impl GatewayMetrics {
     pub fn register(r: &mut Registry) -> Self {
         let m = Self {
+            tokenize_fallbacks: Family::default(),
             requests: Family::default(),
             request_series: Default::default(),
             added_latency: latency(),
@@ -71,6 +79,11 @@ impl GatewayMetrics {
             "prefix_router_retries",
             "Requests retried on another backend after a failure, by the failed backend",
             m.retries.clone(),
+        );
+        r.register(
+            "prefix_router_tokenize_fallbacks",
+            "Requests in precise mode whose token ids could not be computed exactly (matched by the string index), by reason",
+            m.tokenize_fallbacks.clone(),
         );
         r.register(
             "vllm:num_incoming_requests",

@@ -12,6 +12,7 @@ pub(crate) mod proxy;
 pub mod request_string;
 mod route;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,6 +57,8 @@ pub struct GatewaySettings {
 /// The HTTP front end's state: the core it asks, and what it needs of its own.
 pub struct Gateway {
     pub core: Arc<Core>,
+    /// Tokenizers by model name (`--tokenizer`), for precise matching.
+    pub tokenizers: HashMap<String, Arc<vllm_protocol::ChatTokenizer>>,
     pub client: HttpClient,
     pub settings: GatewaySettings,
     pub monitor: Monitor,
@@ -108,8 +111,26 @@ pub async fn gateway(args: &ServeArgs) -> anyhow::Result<Arc<Gateway>> {
         inline_notify,
         &mut registry,
     );
+    let events = args.kv_events.then_some(crate::core::EventsSettings {
+        events: crate::core::events::EventSettings {
+            warmup: args.kv_warmup,
+            credit: args.kv_credit,
+            seed: args.store.hash_seed,
+        },
+        default_port: args.kv_events_port,
+    });
+    let mut tokenizers = HashMap::new();
+    for (model, dir) in args.tokenizer_dirs()? {
+        let tokenizer = vllm_protocol::ChatTokenizer::from_dir(&dir)
+            .map_err(|e| anyhow::anyhow!("--tokenizer {model}={}: {e}", dir.display()))?;
+        tokenizers.insert(model, tokenizer);
+    }
+    if args.kv_events && tokenizers.is_empty() {
+        tracing::warn!("--kv-events without --tokenizer: no request can be matched by its tokens; the string index answers");
+    }
     let core = Arc::new(Core::new(
         strings,
+        events,
         &PolicySettings {
             kind: args.policy,
             cache_threshold: args.cache_threshold,
@@ -141,6 +162,7 @@ pub async fn gateway(args: &ServeArgs) -> anyhow::Result<Arc<Gateway>> {
     monitor.apply(&args.backend_specs()?).await?;
     Ok(Arc::new(Gateway {
         core,
+        tokenizers,
         client,
         settings: GatewaySettings {
             max_retries: args.max_retries,

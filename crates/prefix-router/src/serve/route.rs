@@ -10,7 +10,7 @@ use axum::extract::Request;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
-use super::metrics::{model_label, Label, RequestLabels, UNKNOWN_MODEL};
+use super::metrics::{model_label, FallbackLabels, Label, RequestLabels, UNKNOWN_MODEL};
 use super::proxy;
 use super::request_string::{self, Endpoint, InvalidRequest};
 use super::Gateway;
@@ -67,6 +67,11 @@ pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Respon
     }
     let prompt = (gw.core.uses_prefixes() && endpoint != Endpoint::Other)
         .then(|| gw.core.strings.key(&routing.text));
+    let tokens = if gw.core.events.is_some() && gw.core.uses_prefixes() {
+        token_ids(&gw, endpoint, routing.model.as_deref(), &body)
+    } else {
+        None
+    };
     let decision = if endpoint == Endpoint::Other {
         gw.core.pick_by_load(candidates.backends)
     } else {
@@ -80,6 +85,7 @@ pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Respon
                 RequestInput {
                     session,
                     prompt: prompt.as_ref(),
+                    tokens: tokens.as_deref(),
                 },
             )
             .await
@@ -96,8 +102,44 @@ pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Respon
         },
         decision.order,
         prompt.as_ref(),
+        decision.block_names.as_ref(),
     )
     .await
+}
+
+/// The request's token ids exactly as vLLM computes them, or None (counted) where this router
+/// cannot: no tokenizer for the model, an endpoint or a request it cannot reproduce.
+fn token_ids(
+    gw: &Gateway,
+    endpoint: Endpoint,
+    model: Option<&str>,
+    body: &[u8],
+) -> Option<Vec<u32>> {
+    let fallback = |reason| {
+        gw.metrics
+            .tokenize_fallbacks
+            .get_or_create(&FallbackLabels { reason })
+            .inc();
+        None
+    };
+    let Some(tokenizer) = model.and_then(|m| gw.tokenizers.get(m)) else {
+        return fallback("no_tokenizer");
+    };
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return fallback("unsupported");
+    };
+    let ids = match endpoint {
+        Endpoint::Chat => tokenizer.chat_ids(&value),
+        Endpoint::Completions => tokenizer.prompt_ids(&value["prompt"]),
+        _ => return fallback("endpoint"),
+    };
+    match ids {
+        Ok(ids) => Some(ids),
+        Err(e) => {
+            tracing::debug!(error = %e, "token ids not reproducible: matching by strings");
+            fallback("unsupported")
+        }
+    }
 }
 
 /// A request on its way to a backend.
@@ -126,6 +168,7 @@ async fn forward(
     req: Outgoing,
     order: Vec<Arc<Backend>>,
     prompt: Option<&PromptKey>,
+    block_names: Option<&Arc<[u64]>>,
 ) -> Response {
     let Outgoing {
         parts,
@@ -153,7 +196,7 @@ async fn forward(
         .into_response()
     };
     for (attempt, backend) in order.into_iter().take(attempts).enumerate() {
-        gw.core.sent(prompt, &backend).await;
+        gw.core.sent(prompt, block_names, &backend).await;
         let upstream =
             proxy::upstream_request(&backend, &parts.method, &parts.uri, &headers, body.clone());
         let guard = InflightGuard::new(backend.clone());

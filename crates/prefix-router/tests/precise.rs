@@ -1,0 +1,185 @@
+//! Precise mode (`--kv-events`) in front of simulated vLLM servers that publish KV-cache
+//! events as vLLM does and tokenize with the real-vLLM fleet's tokenizer: the router matches by
+//! what each server really holds — also what reached it without the router — and falls back to
+//! the string index for a backend without events.
+
+mod common;
+
+use common::{eventually, metric};
+use reqwest::{Client, StatusCode};
+use serde_json::{json, Value};
+use vllm_sim::SimConfig;
+
+const MODEL: &str = "tiny-llama";
+
+/// The real-vLLM model directory (tokenizer and chat template), written when missing; None
+/// (skip) outside CI when the vLLM environment is not installed.
+async fn model_dir() -> Option<std::path::PathBuf> {
+    let installed = std::env::var_os("HOME").is_some_and(|h| {
+        std::path::Path::new(&h)
+            .join(".cache/prefix-router/vllm-venv/.requirements")
+            .exists()
+    });
+    if !installed && std::env::var_os("PREFIX_ROUTER_CI").is_none() {
+        eprintln!("skipping: no vLLM environment for the tokenizer (scripts/vllm-venv.sh)");
+        return None;
+    }
+    let python = prefix_bench::vllm_fleet::python().await.unwrap();
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("precise-model");
+    Some(
+        prefix_bench::vllm_fleet::model_dir(&python, &dir)
+            .await
+            .unwrap(),
+    )
+}
+
+fn words(seed: u64, n: usize) -> String {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            [
+                "river", "stone", "light", "paper", "garden", "window", "signal", "market",
+            ][(s % 8) as usize]
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+async fn chat(url: &str, system: &str, question: &str) -> Value {
+    let resp = Client::new()
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&json!({"model": MODEL, "max_tokens": 2, "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    resp.json().await.unwrap()
+}
+
+async fn finished(url: &str) -> f64 {
+    metric(url, "vllm:request_success_total", "").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn precise_matches_follow_what_each_server_really_holds() {
+    let Some(dir) = model_dir().await else {
+        return;
+    };
+    let sims = common::fleet(
+        SimConfig {
+            model: MODEL.into(),
+            block_size: 32,
+            kv_blocks: 512,
+            tokenizer: Some(dir.clone()),
+            kv_events: true,
+            ..common::instant()
+        },
+        3,
+    )
+    .await;
+    let urls = sims.urls();
+    let endpoints = sims.kv_events();
+    // Two backends publish events; the third does not (the string index answers for it).
+    let config = std::env::temp_dir().join(format!("precise-{}.toml", std::process::id()));
+    std::fs::write(
+        &config,
+        format!(
+            "[[backends]]\nurl = \"{}\"\nkv-events = \"{}\"\n\n[[backends]]\nurl = \"{}\"\nkv-events = \"{}\"\n\n[[backends]]\nurl = \"{}\"\nkv-events = \"tcp://127.0.0.1:1\"\n",
+            urls[0], endpoints[0], urls[1], endpoints[1], urls[2]
+        ),
+    )
+    .unwrap();
+    let tokenizer = format!("{MODEL}={}", dir.display());
+    let (r, _) = common::router(
+        &[],
+        &[
+            "--config",
+            config.to_str().unwrap(),
+            "--kv-events",
+            "--tokenizer",
+            &tokenizer,
+            "--kv-warmup",
+            "0s",
+        ],
+    )
+    .await;
+    let url = r.url();
+    assert!(
+        eventually(10, || async {
+            metric(&url, "prefix_router_kv_event_feeds", "state=\"live\"").await == 2.0
+        })
+        .await,
+        "both publishers are followed"
+    );
+
+    // A prompt sent straight to server 1, past the router: only its events tell.
+    let system = words(1, 600);
+    chat(&urls[1], &system, "first question").await;
+    assert!(
+        eventually(10, || async {
+            metric(&url, "prefix_router_kv_blocks", "").await > 0.0
+        })
+        .await
+    );
+    let before: Vec<f64> = futures_util::future::join_all(urls.iter().map(|u| finished(u))).await;
+    let answer = chat(&url, &system, "second question").await;
+    let after: Vec<f64> = futures_util::future::join_all(urls.iter().map(|u| finished(u))).await;
+    assert_eq!(
+        after[1] - before[1],
+        1.0,
+        "routed to the server that holds the prompt"
+    );
+    assert!(
+        answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            >= 256,
+        "{answer}"
+    );
+    assert_eq!(
+        metric(
+            &url,
+            "prefix_router_routing_decisions_total",
+            "index=\"events\",policy=\"prefix_load\",reason=\"cache_hit\""
+        )
+        .await,
+        1.0
+    );
+
+    // The server empties its cache: its events say so, and the prompt no longer pulls there.
+    Client::new()
+        .post(format!("{}/sim/reset", urls[1]))
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        eventually(10, || async {
+            metric(&url, "prefix_router_kv_blocks", "").await == 0.0
+        })
+        .await,
+        "the cleared cache leaves the index"
+    );
+    assert_eq!(
+        metric(&url, "prefix_router_kv_events_total", "kind=\"cleared\"").await,
+        1.0
+    );
+
+    // Requests the string index places: server 2 has no events; its match comes from strings.
+    let other = words(2, 600);
+    for i in 0..3 {
+        chat(&url, &other, &format!("q{i}")).await;
+    }
+    let decisions = metric(&url, "prefix_router_routing_decisions_total", "").await;
+    assert_eq!(decisions, 4.0);
+    assert_eq!(
+        metric(&url, "prefix_router_tokenize_fallbacks_total", "").await,
+        0.0,
+        "every request was tokenized"
+    );
+}
