@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use prefix_index::{BlockHasher, BlockIndex};
 use serde_json::{json, Value};
-use vllm_protocol::{KvEvent, Subscriber};
+use vllm_protocol::{KvEvent, Received, Subscriber};
 
 /// How the oracle learns what a server holds.
 enum View {
@@ -53,13 +53,15 @@ impl EventView {
                 .map(|(server, mut sub)| {
                     let weak = weak.clone();
                     tokio::spawn(async move {
-                        while let Ok(message) = sub.next().await {
+                        while let Ok(received) = sub.next().await {
                             let Some(view) = weak.upgrade() else { return };
-                            match message {
-                                Ok(m) => view.apply(server as u64, &m.batch),
-                                Err(_) => {
+                            match received {
+                                Received::Message(Ok(m)) => view.apply(server as u64, &m.batch),
+                                Received::Message(Err(_)) => {
                                     view.skipped.fetch_add(1, Relaxed);
                                 }
+                                // The benchmark's servers stay up for the run.
+                                Received::Disconnected | Received::Reconnected => {}
                             }
                         }
                     })

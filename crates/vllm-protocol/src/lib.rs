@@ -17,5 +17,5 @@ pub use events::{
     decode_batch, decode_message, encode_batch, BlockRemoved, BlockStored, EventBatch, EventError,
     EventMessage, ExternalHash, KvEvent,
 };
-pub use subscriber::Subscriber;
+pub use subscriber::{Received, Subscriber};
 pub use tokenizer::{ChatTokenizer, TokenizeError};

@@ -1,12 +1,14 @@
 //! A subscription to one vLLM KV-event publisher (ZMQ PUB, usually `tcp://host:5557`).
 //!
-//! zeromq's SUB socket reconnects by itself when the publisher goes away and comes back; what a
-//! subscriber cannot see is what it missed meanwhile, which the sequence numbers tell (the
-//! caller's business: see [`EventMessage::seq`]).
+//! zeromq's SUB socket reconnects by itself when the publisher goes away and comes back. The
+//! subscriber reports both moments (a publisher that went away is noticed at once, not at its
+//! next message), and what was missed meanwhile the sequence numbers tell (the caller's
+//! business: see [`EventMessage::seq`]).
 
 use std::time::Duration;
 
-use zeromq::{Socket, SocketRecv};
+use futures_util::StreamExt;
+use zeromq::{Socket, SocketEvent, SocketRecv};
 
 use crate::events::{decode_message, EventError, EventMessage};
 
@@ -23,6 +25,19 @@ pub enum SubscribeError {
 pub struct Subscriber {
     endpoint: String,
     socket: zeromq::SubSocket,
+    /// The socket's connection changes; None once the socket dropped its side.
+    monitor: Option<futures_channel::mpsc::Receiver<SocketEvent>>,
+}
+
+/// What the subscription brought.
+#[derive(Debug)]
+pub enum Received {
+    /// A message, or why it could not be read (skip it and go on).
+    Message(Result<EventMessage, EventError>),
+    /// The publisher went away (messages from now on are lost until it is back).
+    Disconnected,
+    /// The socket reached the publisher again.
+    Reconnected,
 }
 
 impl Subscriber {
@@ -34,6 +49,7 @@ impl Subscriber {
             reason,
         };
         let mut socket = zeromq::SubSocket::new();
+        let monitor = socket.monitor();
         tokio::time::timeout(timeout, socket.connect(endpoint))
             .await
             .map_err(|_| fail(format!("no answer within {timeout:?}")))?
@@ -45,6 +61,7 @@ impl Subscriber {
         Ok(Self {
             endpoint: endpoint.to_owned(),
             socket,
+            monitor: Some(monitor),
         })
     }
 
@@ -52,18 +69,31 @@ impl Subscriber {
         &self.endpoint
     }
 
-    /// The next message: `Ok(Err(_))` for one that could not be read (skip it and go on),
-    /// `Err(_)` when the socket itself failed.
-    pub async fn next(&mut self) -> Result<Result<EventMessage, EventError>, SubscribeError> {
-        let message = self
-            .socket
-            .recv()
-            .await
-            .map_err(|e| SubscribeError::Receive {
-                endpoint: self.endpoint.clone(),
-                reason: e.to_string(),
-            })?;
-        let frames: Vec<&[u8]> = message.iter().map(|f| f.as_ref()).collect();
-        Ok(decode_message(&frames))
+    /// The next message or connection change; `Err(_)` when the socket itself failed.
+    pub async fn next(&mut self) -> Result<Received, SubscribeError> {
+        loop {
+            let change = async {
+                match &mut self.monitor {
+                    Some(monitor) => monitor.next().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                message = self.socket.recv() => {
+                    let message = message.map_err(|e| SubscribeError::Receive {
+                        endpoint: self.endpoint.clone(),
+                        reason: e.to_string(),
+                    })?;
+                    let frames: Vec<&[u8]> = message.iter().map(|f| f.as_ref()).collect();
+                    return Ok(Received::Message(decode_message(&frames)));
+                }
+                event = change => match event {
+                    Some(SocketEvent::Disconnected(_)) => return Ok(Received::Disconnected),
+                    Some(SocketEvent::Connected(..)) => return Ok(Received::Reconnected),
+                    Some(_) => {}
+                    None => self.monitor = None,
+                },
+            }
+        }
     }
 }

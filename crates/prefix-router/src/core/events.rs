@@ -25,7 +25,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use vllm_protocol::{EventBatch, KvEvent, Subscriber};
+use vllm_protocol::{EventBatch, KvEvent, Received, Subscriber};
 
 use super::backend::Backend;
 
@@ -76,7 +76,7 @@ impl EventMetrics {
         };
         r.register(
             "prefix_router_kv_events",
-            "KV-cache events received, by kind (stored, removed, cleared; skipped: not applicable or unreadable)",
+            "KV-cache events received, by kind (stored, removed, cleared; skipped: not applicable or unreadable; unknown_blocks: removed blocks never stored here)",
             m.events.clone(),
         );
         r.register(
@@ -362,13 +362,14 @@ impl KvEvents {
                     }
                 }
                 KvEvent::Stored(_) => m.count("skipped", 1),
-                KvEvent::Removed(r) => {
-                    if let Some(index) = self.index.get() {
-                        let hashes: Vec<u64> = r.block_hashes.iter().map(|h| h.0).collect();
-                        index.removed(backend, &hashes);
-                    }
+                KvEvent::Removed(r) if r.medium.as_deref().is_none_or(|m| m == "GPU") => {
+                    let hashes: Vec<u64> = r.block_hashes.iter().map(|h| h.0).collect();
+                    let held = self.index.get().map_or(0, |i| i.removed(backend, &hashes));
                     m.count("removed", 1);
+                    // Blocks stored before this feed listened, or whose store was skipped.
+                    m.count("unknown_blocks", (hashes.len() - held) as u64);
                 }
+                KvEvent::Removed(_) => m.count("skipped", 1),
                 KvEvent::AllCleared => {
                     self.forget_blocks(backend);
                     cleared = true;
@@ -386,8 +387,34 @@ impl KvEvents {
     }
 }
 
+/// What a message's sequence number says about the feed's view.
+#[derive(Debug, PartialEq, Eq)]
+enum Continuity {
+    /// The message follows the last one (or opens a publisher's stream): nothing was missed.
+    Follows,
+    /// The publisher started again (sequence 0 after others): it has an empty cache.
+    Restarted,
+    /// The first message seen comes from the middle of the stream: what came before is unknown.
+    Joined,
+    /// Messages were lost.
+    Gap,
+}
+
+fn continuity(last: Option<u64>, seq: u64) -> Continuity {
+    match last {
+        None if seq == 0 => Continuity::Follows,
+        None => Continuity::Joined,
+        Some(prev) if Some(seq) == prev.checked_add(1) => Continuity::Follows,
+        Some(_) if seq == 0 => Continuity::Restarted,
+        Some(_) => Continuity::Gap,
+    }
+}
+
 /// One backend's feed: subscribes (again after a failure), applies batches, watches the
-/// sequence numbers. Ends when the index is dropped or the feed aborted.
+/// sequence numbers and the connection. Ends when the index is dropped or the feed aborted.
+///
+/// While the publisher is away the feed is down (the string index answers); the first message
+/// after it tells whether anything was missed.
 async fn follow(
     events: std::sync::Weak<KvEvents>,
     backend: ServerId,
@@ -395,6 +422,8 @@ async fn follow(
     state: Arc<FeedState>,
 ) {
     let mut backoff = Duration::from_millis(200);
+    // The last sequence number applied, across reconnections.
+    let mut last: Option<u64> = None;
     loop {
         let mut sub = match Subscriber::connect(&endpoint, Duration::from_secs(2)).await {
             Ok(sub) => sub,
@@ -407,10 +436,9 @@ async fn follow(
         };
         backoff = Duration::from_millis(200);
         state.connected.store(true, Relaxed);
-        let mut last: Option<u64> = None;
         loop {
-            let message = match sub.next().await {
-                Ok(m) => m,
+            let received = match sub.next().await {
+                Ok(received) => received,
                 Err(e) => {
                     tracing::warn!(endpoint, error = %e, "KV events: the subscription failed; reconnecting");
                     break;
@@ -419,18 +447,42 @@ async fn follow(
             let Some(events) = events.upgrade() else {
                 return;
             };
-            let message = match message {
-                Ok(m) => m,
-                Err(e) => {
+            let message = match received {
+                Received::Message(Ok(m)) => m,
+                Received::Message(Err(e)) => {
                     tracing::debug!(endpoint, error = %e, "KV events: an unreadable message");
                     events.metrics.count("skipped", 1);
                     continue;
                 }
+                Received::Disconnected => {
+                    tracing::warn!(endpoint, "KV events: the publisher went away; the string index answers for this backend until it is back");
+                    state.connected.store(false, Relaxed);
+                    state.state.store(DOWN, Relaxed);
+                    continue;
+                }
+                Received::Reconnected => {
+                    tracing::info!(endpoint, "KV events: the publisher is back");
+                    state.connected.store(true, Relaxed);
+                    continue;
+                }
             };
-            match last {
-                // The first message: complete history only if the publisher just began.
-                None if message.seq == 0 => state.state.store(LIVE, Relaxed),
-                None => {
+            state.connected.store(true, Relaxed);
+            match continuity(last, message.seq) {
+                Continuity::Follows if last.is_none() => state.state.store(LIVE, Relaxed),
+                Continuity::Follows => {
+                    // Back after a disconnection that lost nothing.
+                    let _ = state.state.compare_exchange(DOWN, LIVE, Relaxed, Relaxed);
+                }
+                Continuity::Restarted => {
+                    tracing::info!(
+                        endpoint,
+                        "KV events: the publisher restarted (an empty cache)"
+                    );
+                    events.metrics.gaps.inc();
+                    events.forget_blocks(backend);
+                    state.state.store(LIVE, Relaxed);
+                }
+                Continuity::Joined => {
                     tracing::info!(
                         endpoint,
                         seq = message.seq,
@@ -438,22 +490,16 @@ async fn follow(
                     );
                     events.warm_up(&state);
                 }
-                Some(prev) if message.seq == prev + 1 => {}
-                Some(prev) => {
-                    // A gap (lost messages) or a restarted publisher (a new, empty cache).
+                Continuity::Gap => {
                     tracing::warn!(
                         endpoint,
-                        expected = prev + 1,
+                        expected = last.map(|l| l.wrapping_add(1)),
                         got = message.seq,
                         "KV events: sequence gap; re-learning the backend"
                     );
                     events.metrics.gaps.inc();
                     events.forget_blocks(backend);
-                    if message.seq == 0 {
-                        state.state.store(LIVE, Relaxed);
-                    } else {
-                        events.warm_up(&state);
-                    }
+                    events.warm_up(&state);
                 }
             }
             last = Some(message.seq);
@@ -465,5 +511,380 @@ async fn follow(
         state.connected.store(false, Relaxed);
         state.state.store(DOWN, Relaxed);
         tokio::time::sleep(backoff).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::backend::BackendSpec;
+    use vllm_protocol::{encode_batch, BlockRemoved, BlockStored, ExternalHash};
+    use zeromq::{Socket, SocketSend, ZmqMessage};
+
+    const BLOCK: usize = 4;
+
+    /// A publisher on a loopback port, sending what the test tells it to.
+    struct Publisher {
+        socket: zeromq::PubSocket,
+        endpoint: String,
+    }
+
+    impl Publisher {
+        async fn bind(endpoint: &str) -> Self {
+            let mut socket = zeromq::PubSocket::new();
+            let endpoint = socket.bind(endpoint).await.unwrap().to_string();
+            Self { socket, endpoint }
+        }
+
+        async fn send_raw(&mut self, frames: Vec<Vec<u8>>) {
+            let mut frames = frames.into_iter();
+            let mut message = ZmqMessage::from(frames.next().unwrap());
+            for f in frames {
+                message.push_back(f.into());
+            }
+            self.socket.send(message).await.unwrap();
+        }
+
+        async fn send(&mut self, seq: u64, events: Vec<KvEvent>) {
+            let batch = EventBatch {
+                ts: 0.0,
+                events,
+                data_parallel_rank: Some(0),
+                skipped: Vec::new(),
+            };
+            self.send_raw(vec![
+                b"kv".to_vec(),
+                seq.to_be_bytes().to_vec(),
+                encode_batch(&batch),
+            ])
+            .await;
+        }
+    }
+
+    /// `n` blocks of a prompt starting at `first` (external hashes first..first+n).
+    fn stored(first: u64, parent: Option<u64>, tokens: &[u32]) -> KvEvent {
+        let n = (tokens.len() / BLOCK) as u64;
+        KvEvent::Stored(BlockStored {
+            block_hashes: (first..first + n).map(ExternalHash).collect(),
+            parent: parent.map(ExternalHash),
+            token_ids: tokens.to_vec(),
+            block_size: BLOCK as u32,
+            lora: None,
+            medium: Some("GPU".into()),
+            extra_keys: false,
+            group_idx: Some(0),
+        })
+    }
+
+    fn removed(hashes: &[u64]) -> KvEvent {
+        KvEvent::Removed(BlockRemoved {
+            block_hashes: hashes.iter().copied().map(ExternalHash).collect(),
+            medium: Some("GPU".into()),
+            group_idx: Some(0),
+        })
+    }
+
+    struct Feed {
+        events: Arc<KvEvents>,
+        backend: Vec<Arc<Backend>>,
+        registry: Registry,
+    }
+
+    impl Feed {
+        async fn follow(endpoint: &str, warmup: Duration, credit: Duration) -> Self {
+            let mut registry = Registry::default();
+            let events = KvEvents::new(
+                EventSettings {
+                    warmup,
+                    credit,
+                    seed: 7,
+                },
+                &mut registry,
+            );
+            let backend = vec![Arc::new(
+                Backend::new(BackendSpec::new("http://127.0.0.1:1"), 1000).unwrap(),
+            )];
+            let endpoint = endpoint.to_owned();
+            events.sync(&backend, |_| Some(endpoint.clone()));
+            let feed = Self {
+                events,
+                backend,
+                registry,
+            };
+            feed.until(|f| f.connected()).await;
+            feed
+        }
+
+        fn connected(&self) -> bool {
+            self.events
+                .feeds
+                .load()
+                .values()
+                .all(|f| f.connected.load(Relaxed))
+        }
+
+        fn live(&self) -> bool {
+            self.events.live(self.backend[0].id)
+        }
+
+        /// Tokens of `prompt` the backend holds by its events (None: not live).
+        fn matched(&self, prompt: &[u32]) -> Option<u64> {
+            let names = self.events.names(prompt)?;
+            self.events.matches(&names, prompt.len(), &self.backend)[0]
+        }
+
+        fn metric(&self, line_start: &str) -> f64 {
+            self.events.observe();
+            let mut text = String::new();
+            prometheus_client::encoding::text::encode(&mut text, &self.registry).unwrap();
+            text.lines()
+                .find_map(|l| l.strip_prefix(line_start)?.trim().parse().ok())
+                .unwrap_or(0.0)
+        }
+
+        async fn until(&self, what: impl Fn(&Self) -> bool) {
+            for _ in 0..500 {
+                if what(self) {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            panic!("the feed did not get there in 5 s");
+        }
+    }
+
+    fn prompt(n_blocks: usize, salt: u32) -> Vec<u32> {
+        (0..(n_blocks * BLOCK) as u32)
+            .map(|t| t * 7 + salt)
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_fresh_publisher_is_matched_from_its_events_and_evictions_count() {
+        let mut publisher = Publisher::bind("tcp://127.0.0.1:0").await;
+        let feed = Feed::follow(
+            &publisher.endpoint,
+            Duration::from_secs(3600),
+            Duration::ZERO,
+        )
+        .await;
+        assert!(!feed.live(), "nothing is trusted before the first message");
+        let p = prompt(3, 0);
+        publisher.send(0, vec![stored(10, None, &p)]).await;
+        feed.until(|f| f.matched(&p).is_some()).await;
+        // 3 blocks held; the last prompt token is always computed, so 2 blocks are usable.
+        assert_eq!(feed.matched(&p), Some(2 * BLOCK as u64));
+        let mut longer = p.clone();
+        longer.extend(prompt(2, 1));
+        assert_eq!(feed.matched(&longer), Some(3 * BLOCK as u64));
+        publisher.send(1, vec![removed(&[11, 12])]).await;
+        feed.until(|f| f.matched(&longer) == Some(BLOCK as u64))
+            .await;
+        assert_eq!(
+            feed.metric("prefix_router_kv_events_total{kind=\"stored\"}"),
+            1.0
+        );
+        assert_eq!(
+            feed.metric("prefix_router_kv_events_total{kind=\"removed\"}"),
+            1.0
+        );
+        assert_eq!(feed.metric("prefix_router_kv_blocks"), 1.0);
+        assert_eq!(
+            feed.metric("prefix_router_kv_event_feeds{state=\"live\"}"),
+            1.0
+        );
+    }
+
+    #[tokio::test]
+    async fn bad_events_are_counted_and_change_nothing() {
+        let mut publisher = Publisher::bind("tcp://127.0.0.1:0").await;
+        let feed = Feed::follow(
+            &publisher.endpoint,
+            Duration::from_secs(3600),
+            Duration::ZERO,
+        )
+        .await;
+        let p = prompt(2, 0);
+        publisher.send(0, vec![stored(10, None, &p)]).await;
+        feed.until(|f| f.matched(&p).is_some()).await;
+        let good = encode_batch(&EventBatch {
+            ts: 0.0,
+            events: vec![stored(20, None, &prompt(1, 9))],
+            data_parallel_rank: None,
+            skipped: Vec::new(),
+        });
+        // Not a message at all: two frames; a short sequence; truncated msgpack.
+        publisher
+            .send_raw(vec![b"kv".to_vec(), 1u64.to_be_bytes().to_vec()])
+            .await;
+        publisher
+            .send_raw(vec![b"kv".to_vec(), vec![0, 1], good.clone()])
+            .await;
+        publisher
+            .send_raw(vec![
+                b"kv".to_vec(),
+                1u64.to_be_bytes().to_vec(),
+                good[..good.len() / 2].to_vec(),
+            ])
+            .await;
+        // Events that cannot apply: a wrong block size, tokens that are not whole blocks, a
+        // parent never stored, an offloading tier; removals of blocks never stored.
+        let mut wrong_size = stored(30, None, &prompt(2, 3));
+        if let KvEvent::Stored(s) = &mut wrong_size {
+            s.block_size = 8;
+            s.block_hashes.truncate(1);
+        }
+        let mut ragged = stored(40, None, &prompt(1, 4));
+        if let KvEvent::Stored(s) = &mut ragged {
+            s.token_ids.pop();
+        }
+        let mut cpu = stored(50, None, &prompt(1, 5));
+        if let KvEvent::Stored(s) = &mut cpu {
+            s.medium = Some("CPU".into());
+        }
+        publisher
+            .send(
+                1,
+                vec![
+                    wrong_size,
+                    ragged,
+                    stored(60, Some(999), &prompt(1, 6)),
+                    cpu,
+                    removed(&[777, 778]),
+                ],
+            )
+            .await;
+        // An unknown event type inside a good batch is skipped, the rest applies.
+        let unknown = rmpv::Value::Array(vec![
+            rmpv::Value::from(0.0),
+            rmpv::Value::Array(vec![
+                rmpv::Value::Map(vec![(
+                    rmpv::Value::from("type"),
+                    rmpv::Value::from("BlockTeleported"),
+                )]),
+                rmpv::Value::Array(vec![rmpv::Value::from("AllBlocksCleared")]),
+            ]),
+            rmpv::Value::Nil,
+        ]);
+        let mut payload = Vec::new();
+        rmpv::encode::write_value(&mut payload, &unknown).unwrap();
+        publisher
+            .send_raw(vec![b"kv".to_vec(), 2u64.to_be_bytes().to_vec(), payload])
+            .await;
+        feed.until(|f| f.metric("prefix_router_kv_events_total{kind=\"cleared\"}") == 1.0)
+            .await;
+        // 3 unreadable messages + 4 inapplicable stores + 1 unknown type.
+        assert_eq!(
+            feed.metric("prefix_router_kv_events_total{kind=\"skipped\"}"),
+            8.0
+        );
+        assert_eq!(
+            feed.metric("prefix_router_kv_events_total{kind=\"unknown_blocks\"}"),
+            2.0
+        );
+        assert_eq!(
+            feed.metric("prefix_router_kv_event_gaps_total"),
+            0.0,
+            "unreadable messages are not gaps"
+        );
+        assert!(feed.live());
+        assert_eq!(feed.matched(&p), Some(0), "the clear applied");
+        assert_eq!(feed.metric("prefix_router_kv_blocks"), 0.0);
+    }
+
+    #[tokio::test]
+    async fn a_gap_forgets_the_backend_until_it_is_relearned() {
+        let mut publisher = Publisher::bind("tcp://127.0.0.1:0").await;
+        let feed = Feed::follow(
+            &publisher.endpoint,
+            Duration::from_millis(300),
+            Duration::ZERO,
+        )
+        .await;
+        let p = prompt(3, 0);
+        publisher.send(0, vec![stored(10, None, &p)]).await;
+        feed.until(|f| f.matched(&p).is_some()).await;
+        // Messages 1..4 lost: what they said is unknown, so nothing the backend held is trusted.
+        let q = prompt(2, 1);
+        publisher.send(5, vec![stored(20, None, &q)]).await;
+        feed.until(|f| f.metric("prefix_router_kv_event_gaps_total") == 1.0)
+            .await;
+        assert!(!feed.live(), "warming up after the gap");
+        assert_eq!(
+            feed.events.index.get().unwrap().blocks(feed.backend[0].id),
+            2,
+            "only what came after"
+        );
+        tokio::time::sleep(Duration::from_millis(350)).await;
+        assert!(feed.live(), "live again after the warm-up");
+        assert_eq!(feed.matched(&p), Some(0));
+        assert_eq!(feed.matched(&q), Some(BLOCK as u64));
+        // A restarted publisher (sequence 0 again) has an empty cache: live at once.
+        publisher
+            .send(0, vec![stored(30, None, &prompt(1, 2))])
+            .await;
+        feed.until(|f| f.metric("prefix_router_kv_event_gaps_total") == 2.0)
+            .await;
+        assert!(feed.live());
+        assert_eq!(feed.matched(&q), Some(0));
+    }
+
+    #[tokio::test]
+    async fn a_publisher_that_goes_away_is_noticed_and_followed_again() {
+        let mut publisher = Publisher::bind("tcp://127.0.0.1:0").await;
+        let endpoint = publisher.endpoint.clone();
+        let feed = Feed::follow(&endpoint, Duration::from_secs(3600), Duration::ZERO).await;
+        let p = prompt(3, 0);
+        publisher.send(0, vec![stored(10, None, &p)]).await;
+        feed.until(|f| f.live()).await;
+        drop(publisher);
+        feed.until(|f| !f.live() && !f.connected()).await;
+        assert_eq!(
+            feed.metric("prefix_router_kv_event_feeds{state=\"down\"}"),
+            1.0
+        );
+        // The server comes back on the same port with an empty cache.
+        let mut publisher = Publisher::bind(&endpoint).await;
+        feed.until(|f| f.connected()).await;
+        assert!(
+            !feed.live(),
+            "not trusted before its first message says what it is"
+        );
+        // A subscriber may miss the first messages after (re)connecting (its subscription
+        // reaches the publisher a moment later): the restarted server's first message again
+        // until one lands.
+        let q = prompt(3, 5);
+        while !feed.live() {
+            publisher.send(0, vec![stored(100, None, &q)]).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(
+            feed.matched(&q),
+            Some(2 * BLOCK as u64),
+            "the new cache is followed"
+        );
+        assert_eq!(feed.matched(&p), Some(0), "the old cache was forgotten");
+    }
+
+    #[tokio::test]
+    async fn a_routed_request_counts_as_held_until_its_credit_expires() {
+        let mut publisher = Publisher::bind("tcp://127.0.0.1:0").await;
+        let feed = Feed::follow(
+            &publisher.endpoint,
+            Duration::from_secs(3600),
+            Duration::from_millis(200),
+        )
+        .await;
+        publisher
+            .send(0, vec![stored(10, None, &prompt(1, 9))])
+            .await;
+        feed.until(|f| f.live()).await;
+        let p = prompt(4, 0);
+        assert_eq!(feed.matched(&p), Some(0));
+        let names: Arc<[u64]> = feed.events.names(&p).unwrap().into();
+        feed.events.credit(feed.backend[0].id, names);
+        assert_eq!(feed.matched(&p), Some(3 * BLOCK as u64));
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        assert_eq!(feed.matched(&p), Some(0));
     }
 }
