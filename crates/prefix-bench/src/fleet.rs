@@ -36,10 +36,14 @@ impl Counters {
 /// The servers a comparison routes to.
 pub struct BenchFleet {
     pub urls: Vec<String>,
-    /// Real vLLM servers: their KV-event publishers (for the oracle), in `urls` order.
+    /// The servers' KV-event publishers, in `urls` order (empty when they publish none).
     pub kv_events: Vec<String>,
     /// Tokens per KV block of the servers.
     pub block_size: usize,
+    /// Each server's KV cache in tokens (0: unknown).
+    pub cache_tokens: u64,
+    /// The tokenizer directory of the servers' model, when they tokenize for real.
+    pub tokenizer: Option<std::path::PathBuf>,
     owned: Owned,
 }
 
@@ -68,11 +72,15 @@ impl BenchFleet {
     /// Starts `n` sims in this process on free ports.
     pub async fn start(n: usize, config: SimConfig) -> anyhow::Result<Self> {
         let block_size = config.block_size;
+        let cache_tokens = (config.kv_blocks * config.block_size) as u64;
+        let tokenizer = config.tokenizer.clone();
         let fleet = Fleet::start(config, n, SocketAddr::from(([127, 0, 0, 1], 0))).await?;
         Ok(Self {
             urls: fleet.urls(),
-            kv_events: Vec::new(),
+            kv_events: fleet.kv_events(),
             block_size,
+            cache_tokens,
+            tokenizer,
             owned: Owned::Sims(fleet),
         })
     }
@@ -80,11 +88,14 @@ impl BenchFleet {
     /// Starts real vLLM servers.
     pub async fn start_vllm(config: crate::vllm_fleet::VllmFleetConfig) -> anyhow::Result<Self> {
         let block_size = config.block_size;
+        let cache_tokens = (config.num_blocks * config.block_size) as u64;
         let fleet = crate::vllm_fleet::VllmFleet::start(config).await?;
         Ok(Self {
             urls: fleet.urls(),
             kv_events: fleet.servers.iter().map(|s| s.kv_events.clone()).collect(),
             block_size,
+            cache_tokens,
+            tokenizer: Some(fleet.model_dir.clone()),
             owned: Owned::Vllm(fleet),
         })
     }
@@ -95,6 +106,8 @@ impl BenchFleet {
             urls: file.urls.clone(),
             kv_events: file.kv_events.clone(),
             block_size: file.block_size,
+            cache_tokens: (file.num_blocks * file.block_size) as u64,
+            tokenizer: Some(file.model_dir.clone()),
             owned: Owned::AttachedVllm,
         }
     }
@@ -108,6 +121,8 @@ impl BenchFleet {
                 .collect(),
             kv_events: Vec::new(),
             block_size: SimConfig::default().block_size,
+            cache_tokens: 0,
+            tokenizer: None,
             owned: Owned::Nothing,
         }
     }

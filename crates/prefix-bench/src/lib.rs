@@ -112,9 +112,14 @@ pub struct CompareArgs {
     /// PostgreSQL for the prefix_load+postgres system.
     #[arg(long)]
     pub postgres_url: Option<String>,
-    /// Router processes of the prefix_load+replicas system (clients spread over them).
+    /// Router processes of the +replicas systems (clients spread over them).
     #[arg(long, default_value_t = 4)]
     pub router_replicas: usize,
+    /// Cache pressure: tell our routers each server's KV cache is this many times its real
+    /// size (their string index then assumes prefixes long evicted are still there), as in
+    /// llm-d's experiment with a wrong capacity. Default: the routers learn the real size.
+    #[arg(long)]
+    pub assumed_cache_factor: Option<f64>,
     /// Router overhead: Poisson rate of the overhead phase (requests/s)...
     #[arg(long, default_value_t = 1000.0)]
     pub overhead_qps: f64,
@@ -451,7 +456,11 @@ pub async fn compare(
         router_exe,
         sims: fleet.urls.clone(),
         kv_events: fleet.kv_events.clone(),
+        oracle_from_events: fleet.is_vllm(),
         block_size: fleet.block_size,
+        cache_tokens: fleet.cache_tokens,
+        tokenizer: fleet.tokenizer.clone(),
+        assumed_cache_factor: args.assumed_cache_factor,
         model: args.workload.model.clone(),
         postgres_url: args.postgres_url.clone(),
         replicas: args.router_replicas,

@@ -22,13 +22,15 @@ pub enum System {
     PrefixLoadPostgres,
     PrefixLoadIndex,
     PrefixLoadReplicas,
+    PrefixLoadEvents,
+    PrefixLoadEventsReplicas,
     Oracle,
     SglangRouter,
     Smg,
     VllmRouter,
 }
 
-pub const ALL: [System; 12] = [
+pub const ALL: [System; 14] = [
     System::RoundRobin,
     System::LeastLoaded,
     System::Prefix,
@@ -37,6 +39,8 @@ pub const ALL: [System; 12] = [
     System::PrefixLoadPostgres,
     System::PrefixLoadIndex,
     System::PrefixLoadReplicas,
+    System::PrefixLoadEvents,
+    System::PrefixLoadEventsReplicas,
     System::Oracle,
     System::SglangRouter,
     System::Smg,
@@ -54,6 +58,8 @@ impl System {
             System::PrefixLoadPostgres => "prefix_load+postgres",
             System::PrefixLoadIndex => "prefix_load+index",
             System::PrefixLoadReplicas => "prefix_load+replicas",
+            System::PrefixLoadEvents => "prefix_load+events",
+            System::PrefixLoadEventsReplicas => "prefix_load+events+replicas",
             System::Oracle => "oracle",
             System::SglangRouter => "sglang-router",
             System::Smg => "smg",
@@ -85,10 +91,20 @@ pub struct LaunchContext {
     /// The `prefix-router` binary.
     pub router_exe: PathBuf,
     pub sims: Vec<String>,
-    /// Real vLLM servers' KV-event publishers (for the oracle), else empty.
+    /// The servers' KV-event publishers (precise systems; the oracle on real vLLM), else empty.
     pub kv_events: Vec<String>,
+    /// Whether the oracle learns the servers' contents from their events (real vLLM) rather
+    /// than by asking them (sims).
+    pub oracle_from_events: bool,
     /// Tokens per KV block of the servers.
     pub block_size: usize,
+    /// Each server's KV cache in tokens (0: unknown).
+    pub cache_tokens: u64,
+    /// The servers' tokenizer directory (precise systems tokenize requests with it).
+    pub tokenizer: Option<PathBuf>,
+    /// Tell our routers each server's cache is this many times its real size (a wrong
+    /// capacity estimate, as in a cache-pressure experiment); None: they learn it.
+    pub assumed_cache_factor: Option<f64>,
     /// The model the workload asks for.
     pub model: String,
     pub postgres_url: Option<String>,
@@ -158,7 +174,15 @@ async fn wait_until(deadline: Duration, mut ready: impl AsyncFnMut() -> bool) ->
 }
 
 impl LaunchContext {
-    fn router_args(&self, port: u16, policy: &str, extra: &[String]) -> Vec<String> {
+    /// The flags of one of our routers; its backends go in a config file (with their KV-event
+    /// publishers when `events`, and a capacity when it is to be wrong).
+    fn router_args(
+        &self,
+        port: u16,
+        policy: &str,
+        extra: &[String],
+        events: bool,
+    ) -> Result<Vec<String>, Skipped> {
         let mut args = vec![
             "serve".into(),
             "--listen".into(),
@@ -174,12 +198,45 @@ impl LaunchContext {
             "--balance-rel".into(),
             self.balance_rel.to_string(),
         ];
-        for sim in &self.sims {
-            args.push("--backend".into());
-            args.push(sim.clone());
+        let mut config = String::new();
+        for (i, url) in self.sims.iter().enumerate() {
+            config.push_str(&format!("[[backends]]\nurl = {url:?}\n"));
+            if events {
+                let endpoint = self.kv_events.get(i).ok_or_else(|| {
+                    Skipped("the servers publish no KV events (sims: --sim-args '--kv-events --tokenizer DIR')".into())
+                })?;
+                config.push_str(&format!("kv-events = {endpoint:?}\n"));
+            }
+            if let Some(factor) = self.assumed_cache_factor {
+                // The router's own estimate: the cache's tokens × 4 bytes ÷ the chunk size.
+                let entries = self.cache_tokens as f64 * 4.0
+                    / prefix_index::DEFAULT_CHUNK_SIZE as f64
+                    * factor;
+                config.push_str(&format!("capacity = {}\n", entries.round().max(1.0)));
+            }
+        }
+        let path = self.work_dir.join(format!("backends-{port}.toml"));
+        std::fs::write(&path, config)
+            .map_err(|e| Skipped(format!("cannot write {}: {e}", path.display())))?;
+        args.extend(["--config".into(), path.display().to_string()]);
+        if events {
+            let dir = self.tokenizer.as_ref().ok_or_else(|| {
+                Skipped(
+                    "no tokenizer for the servers' model (sims: --sim-args '--tokenizer DIR')"
+                        .into(),
+                )
+            })?;
+            args.extend([
+                "--kv-events".into(),
+                "--tokenizer".into(),
+                format!("{}={}", self.model, dir.display()),
+                // Each run starts from emptied caches, and an emptied cache is known exactly.
+                "--kv-warmup".into(),
+                "0s".into(),
+            ]);
         }
         args.extend(extra.iter().cloned());
-        args
+        Ok(args)
     }
 
     /// Starts one of our routers and waits until it sees every sim.
@@ -189,6 +246,7 @@ impl LaunchContext {
         name: &str,
         policy: &str,
         extra: &[String],
+        events: bool,
     ) -> Result<(String, Child), Skipped> {
         let port = free_port().map_err(|e| Skipped(e.to_string()))?;
         let log = self
@@ -196,7 +254,7 @@ impl LaunchContext {
             .join(format!("{}-{port}.log", name.replace('+', "_")));
         let child = spawn(
             &self.router_exe,
-            &self.router_args(port, policy, extra),
+            &self.router_args(port, policy, extra, events)?,
             &log,
         )?;
         let url = format!("http://127.0.0.1:{port}");
@@ -349,7 +407,7 @@ impl LaunchContext {
         match system {
             System::RoundRobin | System::LeastLoaded | System::Prefix | System::PrefixLoad => {
                 let policy = system.name();
-                let (url, child) = self.router(client, policy, policy, &[]).await?;
+                let (url, child) = self.router(client, policy, policy, &[], false).await?;
                 router_pids.extend(child.id());
                 urls.push(url);
                 children.push(child);
@@ -359,7 +417,7 @@ impl LaunchContext {
                 let db = self.work_dir.join(format!("sqlite-{port_hint}.db"));
                 let extra = ["--store".to_owned(), format!("sqlite:{}", db.display())];
                 let (url, child) = self
-                    .router(client, system.name(), "prefix_load", &extra)
+                    .router(client, system.name(), "prefix_load", &extra, false)
                     .await?;
                 router_pids.extend(child.id());
                 urls.push(url);
@@ -372,7 +430,7 @@ impl LaunchContext {
                 empty_postgres(pg).await?;
                 let extra = ["--store".to_owned(), pg.clone()];
                 let (url, child) = self
-                    .router(client, system.name(), "prefix_load", &extra)
+                    .router(client, system.name(), "prefix_load", &extra, false)
                     .await?;
                 router_pids.extend(child.id());
                 urls.push(url);
@@ -384,7 +442,7 @@ impl LaunchContext {
                 children.push(index);
                 let extra = ["--index-url".to_owned(), index_url];
                 let (url, child) = self
-                    .router(client, system.name(), "prefix_load", &extra)
+                    .router(client, system.name(), "prefix_load", &extra, false)
                     .await?;
                 router_pids.extend(child.id());
                 urls.push(url);
@@ -406,7 +464,23 @@ impl LaunchContext {
                 };
                 for _ in 0..self.replicas.max(1) {
                     let (url, child) = self
-                        .router(client, system.name(), "prefix_load", &extra)
+                        .router(client, system.name(), "prefix_load", &extra, false)
+                        .await?;
+                    router_pids.extend(child.id());
+                    urls.push(url);
+                    children.push(child);
+                }
+            }
+            System::PrefixLoadEvents | System::PrefixLoadEventsReplicas => {
+                // No shared store: every replica follows every server's events.
+                let replicas = if system == System::PrefixLoadEvents {
+                    1
+                } else {
+                    self.replicas.max(1)
+                };
+                for _ in 0..replicas {
+                    let (url, child) = self
+                        .router(client, system.name(), "prefix_load", &[], true)
                         .await?;
                     router_pids.extend(child.id());
                     urls.push(url);
@@ -414,7 +488,7 @@ impl LaunchContext {
                 }
             }
             System::Oracle => {
-                let events = if self.kv_events.is_empty() {
+                let events = if !self.oracle_from_events || self.kv_events.is_empty() {
                     None
                 } else {
                     Some(

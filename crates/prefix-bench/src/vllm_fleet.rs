@@ -110,6 +110,7 @@ pub async fn serve_fleet(args: VllmFleetArgs, work_dir: PathBuf) -> anyhow::Resu
             kv_events: fleet.servers.iter().map(|s| s.kv_events.clone()).collect(),
             model_dir: fleet.model_dir.clone(),
             block_size: fleet.config.block_size,
+            num_blocks: fleet.config.num_blocks,
         })?,
     )?;
     println!("model: {MODEL} ({})", fleet.model_dir.display());
@@ -154,6 +155,9 @@ pub struct FleetFile {
     pub kv_events: Vec<String>,
     pub model_dir: PathBuf,
     pub block_size: usize,
+    /// KV-cache blocks of each server (older files lack it: 0, unknown).
+    #[serde(default)]
+    pub num_blocks: usize,
 }
 
 impl FleetFile {

@@ -300,6 +300,35 @@ impl BlockIndex {
             .sum()
     }
 
+    /// The memory the index's tables take (their allocated capacity, not only their entries):
+    /// what bounds it is the blocks the backends hold now, not how many came and went.
+    pub fn approx_bytes(&self) -> usize {
+        let name_entry = std::mem::size_of::<(u64, Holders)>() + 1;
+        let names: usize = self
+            .shards
+            .iter()
+            .map(|s| {
+                let shard = s.read();
+                let lists: usize = shard
+                    .values()
+                    .map(|h| match h {
+                        Holders::One(_) => 0,
+                        Holders::Many(v) => v.capacity() * 4,
+                    })
+                    .sum();
+                shard.capacity() * name_entry + lists
+            })
+            .sum();
+        let hash_entry = std::mem::size_of::<(u64, u64)>() + 1;
+        let hashes: usize = self
+            .backends
+            .read()
+            .values()
+            .map(|b| b.blocks.lock().capacity() * hash_entry)
+            .sum();
+        names + hashes
+    }
+
     /// Blocks `backend` holds.
     pub fn blocks(&self, backend: ServerId) -> usize {
         self.backends
@@ -446,5 +475,72 @@ mod tests {
         assert_eq!(idx.clear(1), 1000);
         let entries: usize = idx.shards.iter().map(|s| s.read().len()).sum();
         assert_eq!(entries, 0);
+    }
+
+    /// Three backends holding 100k blocks each, with prefixes in common, storing four times as
+    /// many blocks as they hold (evicting the oldest): the index holds exactly what the reports say, and its memory
+    /// stays at what 100k blocks a backend take.
+    #[test]
+    fn memory_stays_bounded_under_churn_with_100k_blocks_per_backend() {
+        const HELD: usize = 100_000;
+        const BLOCKS_PER_PROMPT: u64 = 8;
+        let idx = BlockIndex::new(BlockHasher::new(4, 0), 1 << 20);
+        // Prompt p's tokens: a prefix shared by the prompts of one conversation (p / 4),
+        // then its own blocks. Every backend caches every third prompt of the others' too.
+        let report = |backend: u64, p: u64| {
+            let tokens: Vec<u32> = (0..BLOCKS_PER_PROMPT * 4)
+                .map(|i| {
+                    if i < 8 {
+                        (p / 4 * 8 + i) as u32
+                    } else {
+                        (p * 64 + i) as u32 | 1 << 31
+                    }
+                })
+                .collect();
+            // The backend's own hashes: any ids, distinct per (backend, prompt, block).
+            let ext: Vec<u64> = (0..BLOCKS_PER_PROMPT)
+                .map(|i| (backend << 48) | (p * BLOCKS_PER_PROMPT + i))
+                .collect();
+            idx.stored(backend, None, &ext, &tokens, 4).unwrap();
+            ext
+        };
+        let mut live: Vec<std::collections::VecDeque<u64>> = vec![Default::default(); 3];
+        let mut bytes_at_fill = 0;
+        // Each backend gets two prompts of three: 400k blocks stored per backend in all.
+        let total_prompts = 6 * HELD as u64 / BLOCKS_PER_PROMPT;
+        for p in 0..total_prompts {
+            for backend in 0..3u64 {
+                if p % 3 != backend && p % 2 == 0 {
+                    continue;
+                }
+                let held = &mut live[backend as usize];
+                held.extend(report(backend, p));
+                while held.len() > HELD {
+                    let gone: Vec<u64> = held.drain(..BLOCKS_PER_PROMPT as usize).collect();
+                    assert_eq!(idx.removed(backend, &gone), gone.len());
+                }
+            }
+            if bytes_at_fill == 0 && live.iter().all(|l| l.len() >= HELD) {
+                bytes_at_fill = idx.approx_bytes();
+            }
+        }
+        assert!(bytes_at_fill > 0, "every backend reached 100k blocks");
+        for backend in 0..3 {
+            assert_eq!(idx.blocks(backend), HELD);
+        }
+        assert_eq!(idx.total_blocks(), 3 * HELD);
+        let bytes = idx.approx_bytes();
+        assert!(
+            bytes <= bytes_at_fill * 3 / 2,
+            "{bytes} bytes after the churn, {bytes_at_fill} when first full"
+        );
+        // Shared prefixes are one entry each: fewer names than blocks held.
+        let names: usize = idx.shards.iter().map(|s| s.read().len()).sum();
+        assert!(names < 3 * HELD, "{names}");
+        for backend in 0..3 {
+            assert_eq!(idx.clear(backend), HELD);
+        }
+        let names: usize = idx.shards.iter().map(|s| s.read().len()).sum();
+        assert_eq!(names, 0);
     }
 }

@@ -484,5 +484,38 @@ mod tests {
         fn decoding_never_panics(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..256)) {
             let _ = decode_batch(&bytes);
         }
+
+        /// Damaged real batches (cut short, bytes changed) reach deeper than random bytes:
+        /// every one decodes to something or an error, never a panic.
+        #[test]
+        fn damaged_batches_never_panic(
+            cut in 0usize..400,
+            flips in proptest::collection::vec((0usize..400, proptest::num::u8::ANY), 0..6),
+        ) {
+            let batch = EventBatch {
+                ts: 1.5,
+                events: vec![
+                    KvEvent::Stored(stored(&[1, 2], None, vec![5, 6, 7, 8])),
+                    KvEvent::Stored(stored(&[3], Some(2), vec![9, 10])),
+                    KvEvent::Removed(BlockRemoved {
+                        block_hashes: vec![ExternalHash(3)],
+                        medium: Some("GPU".into()),
+                        group_idx: None,
+                    }),
+                    KvEvent::AllCleared,
+                ],
+                data_parallel_rank: Some(0),
+                skipped: vec![],
+            };
+            let mut bytes = encode_batch(&batch);
+            for (at, byte) in flips {
+                let n = bytes.len();
+                bytes[at % n] = byte;
+            }
+            bytes.truncate(cut.max(1));
+            let _ = decode_batch(&bytes);
+            let seq = 7u64.to_be_bytes();
+            let _ = decode_message(&[b"kv", &seq, &bytes]);
+        }
     }
 }

@@ -4,8 +4,8 @@
 //! One feed per backend subscribes to its publisher and applies every batch. A backend is
 //! matched from events only while its feed is *live*: connected, and its view complete — it
 //! saw the publisher from its first message (sequence 0), or the cache was emptied since, or
-//! the warm-up after a late start or a sequence gap has passed (blocks cached before that stay
-//! unknown until they are computed again). Otherwise the string index answers for it.
+//! the warm-up after connecting or after a sequence gap has passed (blocks cached before that
+//! stay unknown until they are computed again). Otherwise the string index answers for it.
 //!
 //! Right after a request is routed, the chosen backend is credited with the request's blocks
 //! for a short time (`--kv-credit`), so that a burst of siblings co-locates before the backend
@@ -62,6 +62,7 @@ struct EventMetrics {
     lag: Histogram,
     feeds: Family<StateLabels, Gauge>,
     blocks: Gauge,
+    bytes: Gauge,
 }
 
 impl EventMetrics {
@@ -73,6 +74,7 @@ impl EventMetrics {
             lag: Histogram::new(exponential_buckets(1e-4, 2.0, 20)),
             feeds: Family::default(),
             blocks: Gauge::default(),
+            bytes: Gauge::default(),
         };
         r.register(
             "prefix_router_kv_events",
@@ -98,6 +100,11 @@ impl EventMetrics {
             "prefix_router_kv_blocks",
             "Blocks in the token-block index",
             m.blocks.clone(),
+        );
+        r.register(
+            "prefix_router_kv_index_bytes",
+            "Memory the token-block index's tables take",
+            m.bytes.clone(),
         );
         m
     }
@@ -299,6 +306,16 @@ impl KvEvents {
         }
     }
 
+    /// A (re)connected feed: its view starts over (forgetting what it knew when `forget`) and
+    /// is trusted after the warm-up, or at once if the publisher's stream opens now.
+    fn start_over(&self, backend: ServerId, state: &FeedState, forget: bool) {
+        if forget {
+            self.forget_blocks(backend);
+        }
+        self.warm_up(state);
+        state.connected.store(true, Relaxed);
+    }
+
     fn warm_up(&self, state: &FeedState) {
         state.live_at_ms.store(
             self.now_ms() + self.settings.warmup.as_millis() as u64,
@@ -328,6 +345,7 @@ impl KvEvents {
         }
         if let Some(index) = self.index.get() {
             self.metrics.blocks.set(index.total_blocks() as i64);
+            self.metrics.bytes.set(index.approx_bytes() as i64);
         }
     }
 
@@ -413,8 +431,9 @@ fn continuity(last: Option<u64>, seq: u64) -> Continuity {
 /// One backend's feed: subscribes (again after a failure), applies batches, watches the
 /// sequence numbers and the connection. Ends when the index is dropped or the feed aborted.
 ///
-/// While the publisher is away the feed is down (the string index answers); the first message
-/// after it tells whether anything was missed.
+/// On every (re)connection the feed starts over: what the backend held is forgotten (events
+/// may have been lost meanwhile) and it warms up, unless its first message opens a fresh
+/// publisher's stream. While the publisher is away the feed is down (the string index answers).
 async fn follow(
     events: std::sync::Weak<KvEvents>,
     backend: ServerId,
@@ -422,8 +441,7 @@ async fn follow(
     state: Arc<FeedState>,
 ) {
     let mut backoff = Duration::from_millis(200);
-    // The last sequence number applied, across reconnections.
-    let mut last: Option<u64> = None;
+    let mut first_connection = true;
     loop {
         let mut sub = match Subscriber::connect(&endpoint, Duration::from_secs(2)).await {
             Ok(sub) => sub,
@@ -435,7 +453,15 @@ async fn follow(
             }
         };
         backoff = Duration::from_millis(200);
-        state.connected.store(true, Relaxed);
+        // The last sequence number applied on this connection.
+        let mut last: Option<u64> = None;
+        {
+            let Some(events) = events.upgrade() else {
+                return;
+            };
+            events.start_over(backend, &state, !first_connection);
+            first_connection = false;
+        }
         loop {
             let received = match sub.next().await {
                 Ok(received) => received,
@@ -461,18 +487,18 @@ async fn follow(
                     continue;
                 }
                 Received::Reconnected => {
-                    tracing::info!(endpoint, "KV events: the publisher is back");
-                    state.connected.store(true, Relaxed);
+                    tracing::info!(
+                        endpoint,
+                        "KV events: the publisher is back; re-learning the backend"
+                    );
+                    events.start_over(backend, &state, true);
+                    last = None;
                     continue;
                 }
             };
-            state.connected.store(true, Relaxed);
             match continuity(last, message.seq) {
                 Continuity::Follows if last.is_none() => state.state.store(LIVE, Relaxed),
-                Continuity::Follows => {
-                    // Back after a disconnection that lost nothing.
-                    let _ = state.state.compare_exchange(DOWN, LIVE, Relaxed, Relaxed);
-                }
+                Continuity::Follows => {}
                 Continuity::Restarted => {
                     tracing::info!(
                         endpoint,
@@ -482,14 +508,11 @@ async fn follow(
                     events.forget_blocks(backend);
                     state.state.store(LIVE, Relaxed);
                 }
-                Continuity::Joined => {
-                    tracing::info!(
-                        endpoint,
-                        seq = message.seq,
-                        "KV events: joined a running publisher; warming up"
-                    );
-                    events.warm_up(&state);
-                }
+                Continuity::Joined => tracing::info!(
+                    endpoint,
+                    seq = message.seq,
+                    "KV events: joined a running publisher; warming up"
+                ),
                 Continuity::Gap => {
                     tracing::warn!(
                         endpoint,
@@ -864,6 +887,31 @@ mod tests {
             "the new cache is followed"
         );
         assert_eq!(feed.matched(&p), Some(0), "the old cache was forgotten");
+    }
+
+    #[tokio::test]
+    async fn a_running_publisher_is_trusted_after_the_warm_up() {
+        let mut publisher = Publisher::bind("tcp://127.0.0.1:0").await;
+        let feed = Feed::follow(
+            &publisher.endpoint,
+            Duration::from_millis(300),
+            Duration::ZERO,
+        )
+        .await;
+        // Silent, or heard from the middle of its stream: what it cached before is unknown.
+        assert!(!feed.live());
+        let p = prompt(3, 0);
+        publisher.send(41, vec![stored(10, None, &p)]).await;
+        feed.until(|f| f.metric("prefix_router_kv_events_total{kind=\"stored\"}") == 1.0)
+            .await;
+        assert!(!feed.live(), "still warming up");
+        feed.until(|f| f.live()).await;
+        assert_eq!(
+            feed.matched(&p),
+            Some(2 * BLOCK as u64),
+            "what it said meanwhile counts"
+        );
+        assert_eq!(feed.metric("prefix_router_kv_event_gaps_total"), 0.0);
     }
 
     #[tokio::test]
