@@ -202,4 +202,25 @@ async fn precise_matches_follow_what_each_server_really_holds() {
         0.0,
         "every request was tokenized"
     );
+
+    // A rendering the router cannot reproduce (a template in the request) is not guessed: the
+    // request is matched by strings, counted, and answered.
+    let resp = Client::new()
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&json!({"model": MODEL, "max_tokens": 2,
+            "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}",
+            "messages": [{"role": "user", "content": words(3, 50)}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(
+        metric(
+            &url,
+            "prefix_router_tokenize_fallbacks_total",
+            "reason=\"unsupported\""
+        )
+        .await,
+        1.0
+    );
 }
