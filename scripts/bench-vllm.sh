@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 out="${1:-docs/bench/vllm}"
 servers="${VLLM_SERVERS:-2}"
 workloads="${WORKLOADS:-shared-prefix multi-turn prefix-repetition}"
-systems="round_robin,least_loaded,prefix_load,oracle,sglang-router,smg,vllm-router"
+systems="round_robin,least_loaded,prefix_load,prefix_load+events,oracle,sglang-router,smg,vllm-router"
 cargo build --release --quiet
 exe=target/release/prefix-router
 work=target/vllm-fleet
@@ -25,8 +25,9 @@ until [ -s "$work/fleet.json" ]; do
 done
 
 # The simulator as the CPU vLLM of scripts/vllm-model.py measures here: tokens, blocks and cache
-# as vLLM's; prefill ~14,000 tokens/s after ~25 ms; ~6 ms between output tokens.
-sim_args="--model tiny-llama --tokenizer $work/model --block-size 32 --kv-blocks 512 --max-model-len 8192 --prefill-tokens-per-s 14000 --prefill-overhead-ms 25 --itl-ms 6"
+# as vLLM's; prefill ~14,000 tokens/s after ~25 ms; ~6 ms between output tokens; KV events as
+# vLLM publishes them (for prefix_load+events).
+sim_args="--model tiny-llama --tokenizer $work/model --kv-events --block-size 32 --kv-blocks 512 --max-model-len 8192 --prefill-tokens-per-s 14000 --prefill-overhead-ms 25 --itl-ms 6"
 
 args_for() {
   case "$1" in

@@ -436,6 +436,82 @@ async fn kv_events_tell_what_vllm_holds() {
     assert_eq!(view.skipped.load(std::sync::atomic::Ordering::Relaxed), 0);
 }
 
+/// Precise mode on vLLM itself: a prompt computed by a server the router never sent it to is
+/// found through that server's KV events, the router sends the next request with that prefix
+/// there, and vLLM's own counters show the hit; a reset moves the prompt's pull away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn precise_routing_follows_vllms_events() {
+    let Some(fleet) = vllm::shared(SERVERS).await else {
+        return;
+    };
+    if fleet.external {
+        eprintln!("skipping: the KV-event endpoints of a fleet started by hand are not known");
+        return;
+    }
+    let _turn = vllm::TURN.lock().await;
+    let urls = &fleet.urls[..2];
+    let config = std::env::temp_dir().join(format!("real-precise-{}.toml", std::process::id()));
+    let mut text = String::new();
+    for (url, events) in urls.iter().zip(&fleet.kv_events) {
+        text.push_str(&format!("[[backends]]\nurl = {url:?}\nkv-events = {events:?}\n"));
+    }
+    std::fs::write(&config, text).unwrap();
+    let tokenizer = format!("{MODEL}={}", fleet.model_dir.display());
+    let (r, _) = vllm_router(
+        &[],
+        &["--config", config.to_str().unwrap(), "--kv-events", "--tokenizer", &tokenizer],
+    )
+    .await;
+    let url = r.url();
+    // Emptied caches are known exactly once vLLM says so (with its next scheduler step).
+    reset(urls).await;
+    for u in urls {
+        chat(u, &[json!({"role": "user", "content": "hi"})], 1).await;
+    }
+    assert!(
+        eventually(20, || async {
+            metric(&url, "prefix_router_kv_event_feeds", "state=\"live\"").await == 2.0
+        })
+        .await,
+        "both feeds live after the reset"
+    );
+    // Server 1 computes a long system prompt, asked directly.
+    let system = json!({"role": "system", "content": words(31, 700)});
+    chat(&urls[1], &[system.clone(), json!({"role": "user", "content": "first"})], 2).await;
+    assert!(
+        eventually(10, || async {
+            metric(&url, "prefix_router_kv_blocks", "").await >= 20.0
+        })
+        .await
+    );
+    let mut recorder = Recorder::new(urls).await;
+    let answer = chat(&url, &[system.clone(), json!({"role": "user", "content": "second"})], 2).await;
+    recorder.record(0, &answer).await;
+    assert_eq!(recorder.requests[0].1, 1, "routed to the server that holds the prompt");
+    assert!(recorder.requests[0].2 >= 640.0, "{:?}", recorder.requests);
+    assert_eq!(
+        metric(
+            &url,
+            "prefix_router_routing_decisions_total",
+            "policy=\"prefix_load\",reason=\"cache_hit\",index=\"events\""
+        )
+        .await,
+        1.0
+    );
+    // vLLM empties server 1's cache: its events say so and the router forgets the prompt.
+    reset(&urls[1..]).await;
+    chat(&urls[1], &[json!({"role": "user", "content": "hi"})], 1).await;
+    assert!(
+        eventually(10, || async {
+            metric(&url, "prefix_router_kv_events_total", "kind=\"cleared\"").await >= 3.0
+        })
+        .await
+    );
+    assert_eq!(metric(&url, "prefix_router_tokenize_fallbacks_total", "").await, 0.0);
+    assert_eq!(metric(&url, "prefix_router_kv_events_total", "kind=\"skipped\"").await, 0.0);
+    let _ = std::fs::remove_file(config);
+}
+
 /// Requests the router-side tokenizer must turn into exactly vLLM's token ids.
 fn tokenizer_corpus() -> Vec<Value> {
     let tool = json!({"type": "function", "function": {"name": "get_weather", "description": "Weather at a place", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}});
