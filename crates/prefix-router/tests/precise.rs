@@ -204,7 +204,9 @@ async fn precise_matches_follow_what_each_server_really_holds() {
     );
 
     // A rendering the router cannot reproduce (a template in the request) is not guessed: the
-    // request is matched by strings, counted, and answered.
+    // request is matched by strings, counted, and sent on (the sim, rendering with the same
+    // code, refuses such a request as 400; vLLM would render it).
+    let decided = metric(&url, "prefix_router_routing_decisions_total", "").await;
     let resp = Client::new()
         .post(format!("{url}/v1/chat/completions"))
         .json(&json!({"model": MODEL, "max_tokens": 2,
@@ -213,7 +215,7 @@ async fn precise_matches_follow_what_each_server_really_holds() {
         .send()
         .await
         .unwrap();
-    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.status(), StatusCode::BAD_REQUEST, "the backend's answer");
     assert_eq!(
         metric(
             &url,
@@ -222,5 +224,10 @@ async fn precise_matches_follow_what_each_server_really_holds() {
         )
         .await,
         1.0
+    );
+    assert_eq!(
+        metric(&url, "prefix_router_routing_decisions_total", "").await,
+        decided + 1.0,
+        "routed all the same"
     );
 }

@@ -453,13 +453,21 @@ async fn precise_routing_follows_vllms_events() {
     let config = std::env::temp_dir().join(format!("real-precise-{}.toml", std::process::id()));
     let mut text = String::new();
     for (url, events) in urls.iter().zip(&fleet.kv_events) {
-        text.push_str(&format!("[[backends]]\nurl = {url:?}\nkv-events = {events:?}\n"));
+        text.push_str(&format!(
+            "[[backends]]\nurl = {url:?}\nkv-events = {events:?}\n"
+        ));
     }
     std::fs::write(&config, text).unwrap();
     let tokenizer = format!("{MODEL}={}", fleet.model_dir.display());
     let (r, _) = vllm_router(
         &[],
-        &["--config", config.to_str().unwrap(), "--kv-events", "--tokenizer", &tokenizer],
+        &[
+            "--config",
+            config.to_str().unwrap(),
+            "--kv-events",
+            "--tokenizer",
+            &tokenizer,
+        ],
     )
     .await;
     let url = r.url();
@@ -477,7 +485,12 @@ async fn precise_routing_follows_vllms_events() {
     );
     // Server 1 computes a long system prompt, asked directly.
     let system = json!({"role": "system", "content": words(31, 700)});
-    chat(&urls[1], &[system.clone(), json!({"role": "user", "content": "first"})], 2).await;
+    chat(
+        &urls[1],
+        &[system.clone(), json!({"role": "user", "content": "first"})],
+        2,
+    )
+    .await;
     assert!(
         eventually(10, || async {
             metric(&url, "prefix_router_kv_blocks", "").await >= 20.0
@@ -485,9 +498,17 @@ async fn precise_routing_follows_vllms_events() {
         .await
     );
     let mut recorder = Recorder::new(urls).await;
-    let answer = chat(&url, &[system.clone(), json!({"role": "user", "content": "second"})], 2).await;
+    let answer = chat(
+        &url,
+        &[system.clone(), json!({"role": "user", "content": "second"})],
+        2,
+    )
+    .await;
     recorder.record(0, &answer).await;
-    assert_eq!(recorder.requests[0].1, 1, "routed to the server that holds the prompt");
+    assert_eq!(
+        recorder.requests[0].1, 1,
+        "routed to the server that holds the prompt"
+    );
     assert!(recorder.requests[0].2 >= 640.0, "{:?}", recorder.requests);
     assert_eq!(
         metric(
@@ -507,8 +528,14 @@ async fn precise_routing_follows_vllms_events() {
         })
         .await
     );
-    assert_eq!(metric(&url, "prefix_router_tokenize_fallbacks_total", "").await, 0.0);
-    assert_eq!(metric(&url, "prefix_router_kv_events_total", "kind=\"skipped\"").await, 0.0);
+    assert_eq!(
+        metric(&url, "prefix_router_tokenize_fallbacks_total", "").await,
+        0.0
+    );
+    assert_eq!(
+        metric(&url, "prefix_router_kv_events_total", "kind=\"skipped\"").await,
+        0.0
+    );
     let _ = std::fs::remove_file(config);
 }
 

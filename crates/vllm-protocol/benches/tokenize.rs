@@ -38,6 +38,22 @@ fn text(bytes: usize, seed: u64) -> String {
     out
 }
 
+/// Words of random letters, about `bytes` bytes.
+fn letters(bytes: usize, seed: u64) -> String {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = String::new();
+    while out.len() < bytes {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        for i in 0..(2 + s % 8) {
+            out.push((b'a' + ((s >> (5 * i)) % 26) as u8) as char);
+        }
+        out.push(' ');
+    }
+    out
+}
+
 fn bench(c: &mut Criterion) {
     let Some(dir) = model_dir() else {
         eprintln!(
@@ -64,6 +80,28 @@ fn bench(c: &mut Criterion) {
     let rendered = tokenizer
         .render_chat(&body["messages"], None, true, false)
         .unwrap();
+    // The same size of never-seen words (random letters, as the bench workloads' text): no
+    // word is in the encoder's cache, so the BPE model runs on every one — the worst case.
+    let mut seed = 7u64;
+    g.bench_function(
+        "chat 8 KiB of new words: render + tokenize + block hashes",
+        |b| {
+            b.iter_batched(
+                || {
+                    seed += 1;
+                    json!({"messages": [
+                        {"role": "system", "content": letters(6 * 1024, seed)},
+                        {"role": "user", "content": letters(2 * 1024, seed ^ 0xABCD)},
+                    ]})
+                },
+                |body| {
+                    let ids = tokenizer.chat_ids(&body).unwrap();
+                    black_box(hasher.hash(&ids))
+                },
+                criterion::BatchSize::SmallInput,
+            )
+        },
+    );
     g.bench_function("chat 8 KiB: render only", |b| {
         b.iter(|| tokenizer.render_chat(black_box(&body["messages"]), None, true, false))
     });

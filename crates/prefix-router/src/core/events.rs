@@ -219,15 +219,17 @@ impl KvEvents {
             .enumerate()
             .map(|(i, feed)| {
                 let feed = (*feed)?;
-                let credited = feed
-                    .credits
-                    .lock()
-                    .iter()
-                    .filter(|(until, _)| *until > now)
-                    .map(|(_, seq)| seq.iter().zip(names).take_while(|(a, b)| a == b).count())
-                    .max()
-                    .unwrap_or(0) as u64;
-                Some(held[i].max(credited).min(usable) * block)
+                let mut best = held[i];
+                for (until, seq) in feed.credits.lock().iter() {
+                    if best as usize >= names.len() {
+                        break;
+                    }
+                    if *until > now {
+                        let common = seq.iter().zip(names).take_while(|(a, b)| a == b).count();
+                        best = best.max(common as u64);
+                    }
+                }
+                Some(best.min(usable) * block)
             })
             .collect()
     }
