@@ -215,7 +215,11 @@ async fn precise_matches_follow_what_each_server_really_holds() {
         .send()
         .await
         .unwrap();
-    assert_eq!(resp.status(), StatusCode::BAD_REQUEST, "the backend's answer");
+    assert_eq!(
+        resp.status(),
+        StatusCode::BAD_REQUEST,
+        "the backend's answer"
+    );
     assert_eq!(
         metric(
             &url,
