@@ -68,8 +68,9 @@ pub struct ServeArgs {
     /// config names its own (`kv-events = "tcp://host:port"`).
     #[arg(long, env = "PREFIX_ROUTER_KV_EVENTS_PORT", default_value_t = 5557)]
     pub kv_events_port: u16,
-    /// A backend whose events were joined mid-stream (a late start, a sequence gap) is
-    /// trusted after this long; the string index answers for it meanwhile.
+    /// A backend whose publisher was joined while running (at start, after a reconnection or
+    /// a sequence gap) is trusted after this long; the string index answers for it meanwhile
+    /// (a fresh publisher, or an emptied cache, is trusted at once).
     #[arg(long, env = "PREFIX_ROUTER_KV_WARMUP", default_value = "30s", value_parser = crate::duration::parse)]
     pub kv_warmup: Duration,
     /// How long a routed request's blocks count as held before the backend reports them.
