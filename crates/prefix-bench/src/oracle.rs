@@ -83,12 +83,8 @@ impl EventView {
         self.skipped.fetch_add(batch.skipped.len() as u64, Relaxed);
         for event in &batch.events {
             match event {
-                KvEvent::Stored(s)
-                    if s.medium.as_deref().is_none_or(|m| m == "GPU")
-                        && s.lora.is_none()
-                        && !s.extra_keys =>
-                {
-                    let hashes: Vec<u64> = s.block_hashes.iter().map(|h| h.0).collect();
+                KvEvent::Stored(s) if s.is_matchable() => {
+                    let hashes: Vec<u64> = vllm_protocol::events::raw_hashes(&s.block_hashes);
                     let stored = self.index.stored(
                         server,
                         s.parent.map(|p| p.0),
@@ -104,7 +100,7 @@ impl EventView {
                     self.skipped.fetch_add(1, Relaxed);
                 }
                 KvEvent::Removed(r) => {
-                    let hashes: Vec<u64> = r.block_hashes.iter().map(|h| h.0).collect();
+                    let hashes: Vec<u64> = vllm_protocol::events::raw_hashes(&r.block_hashes);
                     self.index.removed(server, &hashes);
                 }
                 KvEvent::AllCleared => {

@@ -39,12 +39,32 @@ pub struct BlockStored {
     pub group_idx: Option<u32>,
 }
 
+impl BlockStored {
+    /// Whether these blocks are the GPU prefix cache's and can be matched from token ids alone
+    /// (not an offloading tier, not a LoRA adapter's, no extra keys such as images).
+    pub fn is_matchable(&self) -> bool {
+        self.medium.as_deref().is_none_or(|m| m == "GPU") && self.lora.is_none() && !self.extra_keys
+    }
+}
+
 /// Blocks a server has evicted.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockRemoved {
     pub block_hashes: Vec<ExternalHash>,
     pub medium: Option<String>,
     pub group_idx: Option<u32>,
+}
+
+impl BlockRemoved {
+    /// Whether these blocks left the GPU prefix cache (not an offloading tier).
+    pub fn is_gpu(&self) -> bool {
+        self.medium.as_deref().is_none_or(|m| m == "GPU")
+    }
+}
+
+/// The hashes as plain numbers (the block index's keys).
+pub fn raw_hashes(hashes: &[ExternalHash]) -> Vec<u64> {
+    hashes.iter().map(|h| h.0).collect()
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -394,9 +414,9 @@ mod tests {
         assert!(matches!(err, EventError::Msgpack(_)), "{err}");
     }
 
-    #[test]
-    fn map_shaped_batches_round_trip() {
-        let batch = EventBatch {
+    /// A batch with an event of every kind.
+    fn every_kind() -> EventBatch {
+        EventBatch {
             ts: 1.5,
             events: vec![
                 KvEvent::Stored(stored(&[1, 2], None, vec![5, 6, 7, 8])),
@@ -410,7 +430,12 @@ mod tests {
             ],
             data_parallel_rank: Some(0),
             skipped: vec![],
-        };
+        }
+    }
+
+    #[test]
+    fn map_shaped_batches_round_trip() {
+        let batch = every_kind();
         assert_eq!(decode_batch(&encode_batch(&batch)).unwrap(), batch);
     }
 
@@ -492,22 +517,7 @@ mod tests {
             cut in 0usize..400,
             flips in proptest::collection::vec((0usize..400, proptest::num::u8::ANY), 0..6),
         ) {
-            let batch = EventBatch {
-                ts: 1.5,
-                events: vec![
-                    KvEvent::Stored(stored(&[1, 2], None, vec![5, 6, 7, 8])),
-                    KvEvent::Stored(stored(&[3], Some(2), vec![9, 10])),
-                    KvEvent::Removed(BlockRemoved {
-                        block_hashes: vec![ExternalHash(3)],
-                        medium: Some("GPU".into()),
-                        group_idx: None,
-                    }),
-                    KvEvent::AllCleared,
-                ],
-                data_parallel_rank: Some(0),
-                skipped: vec![],
-            };
-            let mut bytes = encode_batch(&batch);
+            let mut bytes = encode_batch(&every_kind());
             for (at, byte) in flips {
                 let n = bytes.len();
                 bytes[at % n] = byte;

@@ -358,18 +358,14 @@ impl KvEvents {
         let mut cleared = false;
         for event in &batch.events {
             match event {
-                KvEvent::Stored(s)
-                    if s.medium.as_deref().is_none_or(|m| m == "GPU")
-                        && s.lora.is_none()
-                        && !s.extra_keys =>
-                {
+                KvEvent::Stored(s) if s.is_matchable() => {
                     let index = self.index.get_or_init(|| {
                         BlockIndex::new(
                             BlockHasher::new(s.block_size as usize, self.settings.seed),
                             MAX_BLOCKS_PER_BACKEND,
                         )
                     });
-                    let hashes: Vec<u64> = s.block_hashes.iter().map(|h| h.0).collect();
+                    let hashes: Vec<u64> = vllm_protocol::events::raw_hashes(&s.block_hashes);
                     match index.stored(
                         backend,
                         s.parent.map(|p| p.0),
@@ -382,8 +378,8 @@ impl KvEvents {
                     }
                 }
                 KvEvent::Stored(_) => m.count("skipped", 1),
-                KvEvent::Removed(r) if r.medium.as_deref().is_none_or(|m| m == "GPU") => {
-                    let hashes: Vec<u64> = r.block_hashes.iter().map(|h| h.0).collect();
+                KvEvent::Removed(r) if r.is_gpu() => {
+                    let hashes: Vec<u64> = vllm_protocol::events::raw_hashes(&r.block_hashes);
                     let held = self.index.get().map_or(0, |i| i.removed(backend, &hashes));
                     m.count("removed", 1);
                     // Blocks stored before this feed listened, or whose store was skipped.
