@@ -38,6 +38,8 @@ pub struct BenchFleet {
     pub urls: Vec<String>,
     /// The servers' KV-event publishers, in `urls` order (empty when they publish none).
     pub kv_events: Vec<String>,
+    /// Their replay sockets, in `urls` order (empty when they have none).
+    pub kv_replay: Vec<String>,
     /// Tokens per KV block of the servers.
     pub block_size: usize,
     /// Each server's KV cache in tokens (0: unknown).
@@ -78,6 +80,11 @@ impl BenchFleet {
         Ok(Self {
             urls: fleet.urls(),
             kv_events: fleet.kv_events(),
+            kv_replay: fleet
+                .servers
+                .iter()
+                .filter_map(|s| s.kv_replay.clone())
+                .collect(),
             block_size,
             cache_tokens,
             tokenizer,
@@ -93,6 +100,7 @@ impl BenchFleet {
         Ok(Self {
             urls: fleet.urls(),
             kv_events: fleet.servers.iter().map(|s| s.kv_events.clone()).collect(),
+            kv_replay: fleet.servers.iter().map(|s| s.kv_replay.clone()).collect(),
             block_size,
             cache_tokens,
             tokenizer: Some(fleet.model_dir.clone()),
@@ -105,6 +113,7 @@ impl BenchFleet {
         Self {
             urls: file.urls.clone(),
             kv_events: file.kv_events.clone(),
+            kv_replay: file.kv_replay.clone(),
             block_size: file.block_size,
             cache_tokens: (file.num_blocks * file.block_size) as u64,
             tokenizer: Some(file.model_dir.clone()),
@@ -120,6 +129,7 @@ impl BenchFleet {
                 .map(|u| u.trim_end_matches('/').to_owned())
                 .collect(),
             kv_events: Vec::new(),
+            kv_replay: Vec::new(),
             block_size: SimConfig::default().block_size,
             cache_tokens: 0,
             tokenizer: None,

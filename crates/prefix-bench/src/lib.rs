@@ -456,6 +456,7 @@ pub async fn compare(
         router_exe,
         sims: fleet.urls.clone(),
         kv_events: fleet.kv_events.clone(),
+        kv_replay: fleet.kv_replay.clone(),
         oracle_from_events: fleet.is_vllm(),
         block_size: fleet.block_size,
         cache_tokens: fleet.cache_tokens,

@@ -93,6 +93,8 @@ pub struct LaunchContext {
     pub sims: Vec<String>,
     /// The servers' KV-event publishers (precise systems; the oracle on real vLLM), else empty.
     pub kv_events: Vec<String>,
+    /// Their replay sockets (given to precise systems where known), else empty.
+    pub kv_replay: Vec<String>,
     /// Whether the oracle learns the servers' contents from their events (real vLLM) rather
     /// than by asking them (sims).
     pub oracle_from_events: bool,
@@ -206,6 +208,9 @@ impl LaunchContext {
                     Skipped("the servers publish no KV events (sims: --sim-args '--kv-events --tokenizer DIR')".into())
                 })?;
                 config.push_str(&format!("kv-events = {endpoint:?}\n"));
+                if let Some(replay) = self.kv_replay.get(i) {
+                    config.push_str(&format!("kv-replay = {replay:?}\n"));
+                }
             }
             if let Some(factor) = self.assumed_cache_factor {
                 // The router's own estimate: the cache's tokens × 4 bytes ÷ the chunk size.

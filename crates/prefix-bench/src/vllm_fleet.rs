@@ -108,6 +108,7 @@ pub async fn serve_fleet(args: VllmFleetArgs, work_dir: PathBuf) -> anyhow::Resu
         serde_json::to_string_pretty(&FleetFile {
             urls: fleet.urls(),
             kv_events: fleet.servers.iter().map(|s| s.kv_events.clone()).collect(),
+            kv_replay: fleet.servers.iter().map(|s| s.kv_replay.clone()).collect(),
             model_dir: fleet.model_dir.clone(),
             block_size: fleet.config.block_size,
             num_blocks: fleet.config.num_blocks,
@@ -120,9 +121,10 @@ pub async fn serve_fleet(args: VllmFleetArgs, work_dir: PathBuf) -> anyhow::Resu
     );
     for (i, server) in fleet.servers.iter().enumerate() {
         println!(
-            "vllm server {i}: {}   kv events: {}   log: {}",
+            "vllm server {i}: {}   kv events: {}   replay: {}   log: {}",
             server.url,
             server.kv_events,
+            server.kv_replay,
             server.log.display()
         );
     }
@@ -153,6 +155,9 @@ async fn wait_for_signal() {
 pub struct FleetFile {
     pub urls: Vec<String>,
     pub kv_events: Vec<String>,
+    /// The publishers' replay sockets (older files lack them).
+    #[serde(default)]
+    pub kv_replay: Vec<String>,
     pub model_dir: PathBuf,
     pub block_size: usize,
     /// KV-cache blocks of each server (older files lack it: 0, unknown).
@@ -178,6 +183,8 @@ pub struct VllmServer {
     pub url: String,
     /// Its KV-event publisher (ZMQ PUB, bound on all interfaces by vLLM; reach it on loopback).
     pub kv_events: String,
+    /// Its publisher's replay socket (ZMQ ROUTER, vLLM's `replay_endpoint`).
+    pub kv_replay: String,
     pub log: PathBuf,
     child: Child,
     /// Closing it makes `vllm-server.py` take the server and its helpers down.
@@ -406,6 +413,7 @@ fn spawn_server(
 ) -> anyhow::Result<VllmServer> {
     let port = free_port()?;
     let events_port = free_port()?;
+    let replay_port = free_port()?;
     let log = config.work_dir.join(format!("vllm-{index}.log"));
     let log_file =
         std::fs::File::create(&log).with_context(|| format!("cannot create {}", log.display()))?;
@@ -414,6 +422,7 @@ fn spawn_server(
         "publisher": "zmq",
         // A wildcard address makes vLLM bind (a host address would make it connect).
         "endpoint": format!("tcp://*:{events_port}"),
+        "replay_endpoint": format!("tcp://*:{replay_port}"),
     });
     let mut command = Command::new(python);
     command
@@ -446,6 +455,7 @@ fn spawn_server(
     Ok(VllmServer {
         url: format!("http://127.0.0.1:{port}"),
         kv_events: format!("tcp://127.0.0.1:{events_port}"),
+        kv_replay: format!("tcp://127.0.0.1:{replay_port}"),
         log,
         child,
         stdin,

@@ -85,12 +85,14 @@ async fn precise_matches_follow_what_each_server_really_holds() {
     .await;
     let urls = sims.urls();
     let endpoints = sims.kv_events();
-    // Two backends publish events; the third does not (the string index answers for it).
+    let replay = sims.servers[1].kv_replay.clone().unwrap();
+    // Two backends publish events (the second with a replay socket); the third does not (the
+    // string index answers for it).
     let config = std::env::temp_dir().join(format!("precise-{}.toml", std::process::id()));
     std::fs::write(
         &config,
         format!(
-            "[[backends]]\nurl = \"{}\"\nkv-events = \"{}\"\n\n[[backends]]\nurl = \"{}\"\nkv-events = \"{}\"\n\n[[backends]]\nurl = \"{}\"\nkv-events = \"tcp://127.0.0.1:1\"\n",
+            "[[backends]]\nurl = \"{}\"\nkv-events = \"{}\"\n\n[[backends]]\nurl = \"{}\"\nkv-events = \"{}\"\nkv-replay = \"{replay}\"\n\n[[backends]]\nurl = \"{}\"\nkv-events = \"tcp://127.0.0.1:1\"\n",
             urls[0], endpoints[0], urls[1], endpoints[1], urls[2]
         ),
     )
@@ -116,6 +118,16 @@ async fn precise_matches_follow_what_each_server_really_holds() {
         })
         .await,
         "both publishers are followed"
+    );
+    assert_eq!(
+        metric(
+            &url,
+            "prefix_router_kv_event_replays_total",
+            "outcome=\"filled\""
+        )
+        .await,
+        1.0,
+        "the replay socket asked at connection (nothing published yet: nothing missed)"
     );
 
     // A prompt sent straight to server 1, past the router: only its events tell.

@@ -539,6 +539,101 @@ async fn precise_routing_follows_vllms_events() {
     let _ = std::fs::remove_file(config);
 }
 
+/// A router started while vLLM is running asks each publisher's replay socket for what it
+/// published before (vLLM's `replay_endpoint`, libzmq's ROUTER against our DEALER): it knows
+/// the servers' caches at once, without a warm-up and without resetting them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_that_joins_late_replays_what_vllm_published() {
+    let Some(fleet) = vllm::shared(SERVERS).await else {
+        return;
+    };
+    if fleet.external {
+        eprintln!("skipping: the replay endpoints of a fleet started by hand are not known");
+        return;
+    }
+    let _turn = vllm::TURN.lock().await;
+    let urls = &fleet.urls[..2];
+    // Server 0 computes a long system prompt before the router exists.
+    let system = json!({"role": "system", "content": words(47, 700)});
+    chat(
+        &urls[0],
+        &[system.clone(), json!({"role": "user", "content": "first"})],
+        2,
+    )
+    .await;
+    let config = std::env::temp_dir().join(format!("real-replay-{}.toml", std::process::id()));
+    let mut text = String::new();
+    for ((url, events), replay) in urls.iter().zip(&fleet.kv_events).zip(&fleet.kv_replay) {
+        text.push_str(&format!(
+            "[[backends]]\nurl = {url:?}\nkv-events = {events:?}\nkv-replay = {replay:?}\n"
+        ));
+    }
+    std::fs::write(&config, text).unwrap();
+    let tokenizer = format!("{MODEL}={}", fleet.model_dir.display());
+    let (r, _) = vllm_router(
+        &[],
+        &[
+            "--config",
+            config.to_str().unwrap(),
+            "--kv-events",
+            "--kv-warmup",
+            "1h",
+            "--tokenizer",
+            &tokenizer,
+        ],
+    )
+    .await;
+    let url = r.url();
+    assert!(
+        eventually(20, || async {
+            metric(&url, "prefix_router_kv_event_feeds", "state=\"live\"").await == 2.0
+        })
+        .await,
+        "both feeds live without the hour's warm-up; replays: {} filled, {} lost, {} failed",
+        metric(
+            &url,
+            "prefix_router_kv_event_replays_total",
+            "outcome=\"filled\""
+        )
+        .await,
+        metric(
+            &url,
+            "prefix_router_kv_event_replays_total",
+            "outcome=\"lost\""
+        )
+        .await,
+        metric(
+            &url,
+            "prefix_router_kv_event_replays_total",
+            "outcome=\"failed\""
+        )
+        .await,
+    );
+    let mut recorder = Recorder::new(urls).await;
+    let answer = chat(
+        &url,
+        &[system.clone(), json!({"role": "user", "content": "second"})],
+        2,
+    )
+    .await;
+    recorder.record(0, &answer).await;
+    assert_eq!(
+        recorder.requests[0].1, 0,
+        "routed to the server that computed the prompt before the router started"
+    );
+    assert!(recorder.requests[0].2 >= 640.0, "{:?}", recorder.requests);
+    assert_eq!(
+        metric(
+            &url,
+            "prefix_router_routing_decisions_total",
+            "policy=\"prefix_load\",reason=\"cache_hit\",index=\"events\""
+        )
+        .await,
+        1.0
+    );
+    let _ = std::fs::remove_file(config);
+}
+
 /// Requests the router-side tokenizer must turn into exactly vLLM's token ids.
 fn tokenizer_corpus() -> Vec<Value> {
     let tool = json!({"type": "function", "function": {"name": "get_weather", "description": "Weather at a place", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}});

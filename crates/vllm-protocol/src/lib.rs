@@ -4,11 +4,13 @@
 //! - [`events`]: KV-cache event batches (msgpack) and the three-frame ZMQ messages carrying
 //!   them, decoded leniently and never with a panic.
 //! - [`subscriber`]: a ZMQ SUB connection to one publisher, reconnecting when it goes away.
+//! - [`replay`]: the publisher's replay socket, to fill in batches a subscriber missed.
 //! - [`tokenizer`]: a request's token ids exactly as vLLM computes them (chat template and
 //!   tokenizer of the model), or an error where that cannot be reproduced.
 #![forbid(unsafe_code)]
 
 pub mod events;
+pub mod replay;
 pub mod subscriber;
 pub mod tokenizer;
 mod word_encoder;
@@ -17,5 +19,6 @@ pub use events::{
     decode_batch, decode_message, encode_batch, BlockRemoved, BlockStored, EventBatch, EventError,
     EventMessage, ExternalHash, KvEvent,
 };
+pub use replay::{replay, ReplayBuffer, ReplayError, Replayed};
 pub use subscriber::{Received, Subscriber};
 pub use tokenizer::{ChatTokenizer, TokenizeError};

@@ -27,6 +27,9 @@ pub struct Subscriber {
     socket: zeromq::SubSocket,
     /// The socket's connection changes; None once the socket dropped its side.
     monitor: Option<futures_channel::mpsc::Receiver<SocketEvent>>,
+    /// Whether the monitor's report of the first connection (made by `connect`, not news) is
+    /// still to come.
+    first_report_due: bool,
 }
 
 /// What the subscription brought.
@@ -62,6 +65,7 @@ impl Subscriber {
             endpoint: endpoint.to_owned(),
             socket,
             monitor: Some(monitor),
+            first_report_due: true,
         })
     }
 
@@ -88,7 +92,13 @@ impl Subscriber {
                     return Ok(Received::Message(decode_message(&frames)));
                 }
                 event = change => match event {
-                    Some(SocketEvent::Disconnected(_)) => return Ok(Received::Disconnected),
+                    Some(SocketEvent::Disconnected(_)) => {
+                        self.first_report_due = false;
+                        return Ok(Received::Disconnected);
+                    }
+                    Some(SocketEvent::Connected(..)) if self.first_report_due => {
+                        self.first_report_due = false;
+                    }
                     Some(SocketEvent::Connected(..)) => return Ok(Received::Reconnected),
                     Some(_) => {}
                     None => self.monitor = None,

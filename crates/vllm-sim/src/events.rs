@@ -1,11 +1,16 @@
 //! Publishes a server's KV-cache changes as vLLM does: a ZMQ PUB socket, three-frame messages
 //! (topic, 8-byte big-endian sequence number, msgpack batch), map-shaped events — so that
-//! precise routing is tested and benchmarked against the simulator as against vLLM.
+//! precise routing is tested and benchmarked against the simulator as against vLLM. Like vLLM
+//! with a `replay_endpoint`, it keeps its last batches and sends them again on request.
 
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use parking_lot::Mutex;
 use tokio::sync::mpsc;
-use vllm_protocol::{encode_batch, BlockRemoved, BlockStored, EventBatch, ExternalHash, KvEvent};
+use vllm_protocol::{
+    encode_batch, BlockRemoved, BlockStored, EventBatch, ExternalHash, KvEvent, ReplayBuffer,
+};
 use zeromq::{Socket, SocketSend, ZmqMessage};
 
 use crate::kv_cache::CacheEvent;
@@ -14,17 +19,31 @@ use crate::kv_cache::CacheEvent;
 pub struct Publisher {
     /// `tcp://127.0.0.1:PORT`
     pub endpoint: String,
+    /// The replay socket (ROUTER), `tcp://127.0.0.1:PORT`.
+    pub replay: String,
     pub changes: mpsc::UnboundedSender<Vec<CacheEvent>>,
 }
 
-/// Binds a PUB socket on a free loopback port and publishes what comes in on the returned
-/// channel, one batch per message, until the channel closes.
+/// Batches kept for replay (vLLM's default `buffer_steps`).
+const REPLAY_BATCHES: usize = 10_000;
+
+/// Binds a PUB socket and a replay socket on free loopback ports and publishes what comes in on
+/// the returned channel, one batch per message, until the channel closes.
 pub async fn start(block_size: usize) -> anyhow::Result<Publisher> {
     let mut socket = zeromq::PubSocket::new();
     let bound = socket.bind("tcp://127.0.0.1:0").await?;
     let endpoint = bound.to_string();
+    let mut replay_socket = zeromq::RouterSocket::new();
+    let replay = replay_socket.bind("tcp://127.0.0.1:0").await?.to_string();
+    let buffer = Arc::new(Mutex::new(ReplayBuffer::new(REPLAY_BATCHES)));
+    let replay_task = tokio::spawn(vllm_protocol::replay::serve_replay(
+        replay_socket,
+        buffer.clone(),
+    ));
     let (changes, mut incoming) = mpsc::unbounded_channel::<Vec<CacheEvent>>();
     tokio::spawn(async move {
+        // The replay socket closes with the publisher.
+        let _replay_task = AbortOnDrop(replay_task);
         let mut seq: u64 = 0;
         while let Some(mut events) = incoming.recv().await {
             // Whatever else is waiting goes in the same batch (vLLM batches per engine step).
@@ -42,16 +61,30 @@ pub async fn start(block_size: usize) -> anyhow::Result<Publisher> {
                 data_parallel_rank: Some(0),
                 skipped: Vec::new(),
             };
+            let payload = bytes::Bytes::from(encode_batch(&batch));
             let mut message = ZmqMessage::from(Vec::<u8>::new());
             message.push_back(seq.to_be_bytes().to_vec().into());
-            message.push_back(encode_batch(&batch).into());
+            message.push_back(payload.clone());
+            buffer.lock().push(seq, payload);
             if socket.send(message).await.is_err() {
                 return;
             }
             seq += 1;
         }
     });
-    Ok(Publisher { endpoint, changes })
+    Ok(Publisher {
+        endpoint,
+        replay,
+        changes,
+    })
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 fn to_vllm(event: CacheEvent, block_size: usize) -> Option<KvEvent> {

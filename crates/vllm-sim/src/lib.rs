@@ -43,9 +43,12 @@ pub async fn run(
     anyhow::ensure!(args.servers > 0, "--servers must be at least 1");
     let fleet = Fleet::start(args.config, args.servers, args.listen).await?;
     for (i, server) in fleet.servers.iter().enumerate() {
-        match &server.kv_events {
-            Some(events) => println!("sim server {i}: {}   kv events: {events}", server.url()),
-            None => println!("sim server {i}: {}", server.url()),
+        match (&server.kv_events, &server.kv_replay) {
+            (Some(events), Some(replay)) => println!(
+                "sim server {i}: {}   kv events: {events}   replay: {replay}",
+                server.url()
+            ),
+            _ => println!("sim server {i}: {}", server.url()),
         }
     }
     shutdown.await;

@@ -66,6 +66,8 @@ pub struct SimServer {
     pub engine: Arc<Engine>,
     /// Its KV-event publisher (`--kv-events`).
     pub kv_events: Option<String>,
+    /// The publisher's replay socket (with `--kv-events`).
+    pub kv_replay: Option<String>,
     stop: watch::Sender<bool>,
     task: JoinHandle<()>,
 }
@@ -77,12 +79,12 @@ impl SimServer {
         let kv = config.kv_events;
         let block_size = config.block_size;
         let engine = Engine::start(config);
-        let kv_events = if kv {
+        let (kv_events, kv_replay) = if kv {
             let publisher = crate::events::start(block_size).await?;
             engine.publish_to(publisher.changes);
-            Some(publisher.endpoint)
+            (Some(publisher.endpoint), Some(publisher.replay))
         } else {
-            None
+            (None, None)
         };
         let app = KillSwitch {
             router: api::router(Server::new(engine.clone(), &addr.port().to_string())),
@@ -94,6 +96,7 @@ impl SimServer {
             addr,
             engine,
             kv_events,
+            kv_replay,
             stop,
             task,
         })

@@ -23,6 +23,9 @@ pub struct BackendSpec {
     /// Its KV-event publisher, e.g. `tcp://10.0.0.5:5557` (default: its host and
     /// `--kv-events-port`).
     pub kv_events: Option<String>,
+    /// Its publisher's replay socket, e.g. `tcp://10.0.0.5:5558` (default: its host and
+    /// `--kv-replay-port`, if set; vLLM opens one only with a `replay_endpoint`).
+    pub kv_replay: Option<String>,
 }
 
 impl BackendSpec {
@@ -34,6 +37,7 @@ impl BackendSpec {
             weight: 1,
             api_key: None,
             kv_events: None,
+            kv_replay: None,
         }
     }
 }

@@ -7,6 +7,10 @@
 //! the warm-up after connecting or after a sequence gap has passed (blocks cached before that
 //! stay unknown until they are computed again). Otherwise the string index answers for it.
 //!
+//! Where the publisher has a replay socket (vLLM's `replay_endpoint`), what a feed missed is
+//! asked for instead: a sequence gap is filled in without forgetting anything, and a feed that
+//! joins a publisher whose buffer still reaches its first batch is complete at once.
+//!
 //! Right after a request is routed, the chosen backend is credited with the request's blocks
 //! for a short time (`--kv-credit`), so that a burst of siblings co-locates before the backend
 //! has computed the prefix and said so.
@@ -25,7 +29,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use vllm_protocol::{EventBatch, KvEvent, Received, Subscriber};
+use vllm_protocol::{EventBatch, KvEvent, Received, Replayed, Subscriber};
 
 use super::backend::Backend;
 
@@ -34,6 +38,17 @@ use super::backend::Backend;
 const MAX_BLOCKS_PER_BACKEND: usize = 4 << 20;
 /// Recent routings credited per backend at most.
 const MAX_CREDITS: usize = 256;
+/// A replay (up to vLLM's 10,000 buffered batches) that takes longer is given up.
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Where a backend's events come from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FeedEndpoints {
+    /// The publisher (ZMQ PUB), e.g. `tcp://10.0.0.5:5557`.
+    pub events: String,
+    /// Its replay socket (ZMQ ROUTER), if it has one.
+    pub replay: Option<String>,
+}
 
 /// How the events are followed.
 #[derive(Clone, Debug)]
@@ -56,9 +71,15 @@ struct StateLabels {
     state: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
 struct EventMetrics {
     events: Family<KindLabels, Counter>,
     gaps: Counter,
+    replays: Family<OutcomeLabels, Counter>,
     lag: Histogram,
     feeds: Family<StateLabels, Gauge>,
     blocks: Gauge,
@@ -70,6 +91,7 @@ impl EventMetrics {
         let m = Self {
             events: Family::default(),
             gaps: Counter::default(),
+            replays: Family::default(),
             // 100 µs .. ~100 s
             lag: Histogram::new(exponential_buckets(1e-4, 2.0, 20)),
             feeds: Family::default(),
@@ -85,6 +107,11 @@ impl EventMetrics {
             "prefix_router_kv_event_gaps",
             "Sequence gaps and publisher restarts seen (the backend is re-learned)",
             m.gaps.clone(),
+        );
+        r.register(
+            "prefix_router_kv_event_replays",
+            "Missed batches asked for again from a publisher's replay socket, by outcome (filled; lost: no longer buffered; failed)",
+            m.replays.clone(),
         );
         r.register(
             "prefix_router_kv_event_lag_seconds",
@@ -114,6 +141,10 @@ impl EventMetrics {
             self.events.get_or_create(&KindLabels { kind }).inc_by(n);
         }
     }
+
+    fn replayed(&self, outcome: &'static str) {
+        self.replays.get_or_create(&OutcomeLabels { outcome }).inc();
+    }
 }
 
 const DOWN: u8 = 0;
@@ -133,7 +164,7 @@ struct FeedState {
 
 /// A running subscription.
 struct Task {
-    endpoint: String,
+    endpoints: FeedEndpoints,
     handle: tokio::task::AbortHandle,
 }
 
@@ -255,16 +286,16 @@ impl KvEvents {
     pub fn sync(
         self: &Arc<Self>,
         backends: &[Arc<Backend>],
-        endpoint: impl Fn(&Backend) -> Option<String>,
+        endpoint: impl Fn(&Backend) -> Option<FeedEndpoints>,
     ) {
         let mut tasks = self.tasks.lock();
-        let wanted: HashMap<ServerId, String> = backends
+        let wanted: HashMap<ServerId, FeedEndpoints> = backends
             .iter()
             .filter_map(|b| Some((b.id, endpoint(b)?)))
             .collect();
         let mut feeds: HashMap<ServerId, Arc<FeedState>> = (**self.feeds.load()).clone();
         tasks.retain(|id, task| {
-            let keep = wanted.get(id) == Some(&task.endpoint);
+            let keep = wanted.get(id) == Some(&task.endpoints);
             if !keep {
                 task.handle.abort();
                 feeds.remove(id);
@@ -272,7 +303,7 @@ impl KvEvents {
             }
             keep
         });
-        for (id, endpoint) in wanted {
+        for (id, endpoints) in wanted {
             if tasks.contains_key(&id) {
                 continue;
             }
@@ -280,12 +311,12 @@ impl KvEvents {
             let handle = tokio::spawn(follow(
                 Arc::downgrade(self),
                 id,
-                endpoint.clone(),
+                endpoints.clone(),
                 state.clone(),
             ))
             .abort_handle();
             feeds.insert(id, state);
-            tasks.insert(id, Task { endpoint, handle });
+            tasks.insert(id, Task { endpoints, handle });
         }
         self.feeds.store(Arc::new(feeds));
     }
@@ -414,6 +445,8 @@ enum Continuity {
     Joined,
     /// Messages were lost.
     Gap,
+    /// A message already applied (the replay that filled a gap brought it first).
+    Behind,
 }
 
 fn continuity(last: Option<u64>, seq: u64) -> Continuity {
@@ -422,6 +455,7 @@ fn continuity(last: Option<u64>, seq: u64) -> Continuity {
         None => Continuity::Joined,
         Some(prev) if Some(seq) == prev.checked_add(1) => Continuity::Follows,
         Some(_) if seq == 0 => Continuity::Restarted,
+        Some(prev) if seq <= prev => Continuity::Behind,
         Some(_) => Continuity::Gap,
     }
 }
@@ -430,18 +464,21 @@ fn continuity(last: Option<u64>, seq: u64) -> Continuity {
 /// sequence numbers and the connection. Ends when the index is dropped or the feed aborted.
 ///
 /// On every (re)connection the feed starts over: what the backend held is forgotten (events
-/// may have been lost meanwhile) and it warms up, unless its first message opens a fresh
-/// publisher's stream. While the publisher is away the feed is down (the string index answers).
+/// may have been lost meanwhile, or the publisher restarted: after a disconnection nothing
+/// tells one from the other) and it warms up, unless its first message opens a fresh
+/// publisher's stream, or the replay socket still has everything from the first batch. While
+/// the publisher is away the feed is down (the string index answers).
 async fn follow(
     events: std::sync::Weak<KvEvents>,
     backend: ServerId,
-    endpoint: String,
+    endpoints: FeedEndpoints,
     state: Arc<FeedState>,
 ) {
+    let endpoint = endpoints.events.as_str();
     let mut backoff = Duration::from_millis(200);
     let mut first_connection = true;
     loop {
-        let mut sub = match Subscriber::connect(&endpoint, Duration::from_secs(2)).await {
+        let mut sub = match Subscriber::connect(endpoint, Duration::from_secs(2)).await {
             Ok(sub) => sub,
             Err(e) => {
                 tracing::debug!(endpoint, error = %e, "KV events: no publisher yet");
@@ -459,6 +496,15 @@ async fn follow(
             };
             events.start_over(backend, &state, !first_connection);
             first_connection = false;
+            if let Some(next) = events.fill_in(backend, &endpoints, 0).await {
+                tracing::info!(
+                    endpoint,
+                    batches = next,
+                    "KV events: the publisher's whole stream was replayed; live at once"
+                );
+                state.state.store(LIVE, Relaxed);
+                last = next.checked_sub(1);
+            }
         }
         loop {
             let received = match sub.next().await {
@@ -497,6 +543,7 @@ async fn follow(
             match continuity(last, message.seq) {
                 Continuity::Follows if last.is_none() => state.state.store(LIVE, Relaxed),
                 Continuity::Follows => {}
+                Continuity::Behind => continue,
                 Continuity::Restarted => {
                     tracing::info!(
                         endpoint,
@@ -506,21 +553,54 @@ async fn follow(
                     events.forget_blocks(backend);
                     state.state.store(LIVE, Relaxed);
                 }
-                Continuity::Joined => tracing::info!(
-                    endpoint,
-                    seq = message.seq,
-                    "KV events: joined a running publisher; warming up"
-                ),
+                Continuity::Joined => {
+                    let next = events.fill_in(backend, &endpoints, 0).await;
+                    if let Some(next) = next.filter(|next| message.seq <= *next) {
+                        tracing::info!(
+                            endpoint,
+                            seq = message.seq,
+                            "KV events: joined a running publisher; its whole stream was replayed"
+                        );
+                        state.state.store(LIVE, Relaxed);
+                        last = next.checked_sub(1);
+                        if message.seq < next {
+                            continue;
+                        }
+                    } else {
+                        tracing::info!(
+                            endpoint,
+                            seq = message.seq,
+                            "KV events: joined a running publisher; warming up"
+                        );
+                    }
+                }
                 Continuity::Gap => {
-                    tracing::warn!(
-                        endpoint,
-                        expected = last.map(|l| l.wrapping_add(1)),
-                        got = message.seq,
-                        "KV events: sequence gap; re-learning the backend"
-                    );
+                    let missed = last.map_or(0, |l| l.wrapping_add(1));
                     events.metrics.gaps.inc();
-                    events.forget_blocks(backend);
-                    events.warm_up(&state);
+                    match events.fill_in(backend, &endpoints, missed).await {
+                        Some(next) if next > missed && message.seq <= next => {
+                            tracing::info!(
+                                endpoint,
+                                from = missed,
+                                to = next,
+                                "KV events: sequence gap filled in from the replay socket"
+                            );
+                            last = Some(next - 1);
+                            if message.seq < next {
+                                continue;
+                            }
+                        }
+                        _ => {
+                            tracing::warn!(
+                                endpoint,
+                                expected = missed,
+                                got = message.seq,
+                                "KV events: sequence gap; re-learning the backend"
+                            );
+                            events.forget_blocks(backend);
+                            events.warm_up(&state);
+                        }
+                    }
                 }
             }
             last = Some(message.seq);
@@ -535,6 +615,49 @@ async fn follow(
     }
 }
 
+impl KvEvents {
+    /// Asks `backend`'s replay socket for every batch from `from` on and applies them; the
+    /// sequence number that follows the last one applied, or None when there is no replay
+    /// socket or it no longer holds batch `from` (nothing is applied then).
+    async fn fill_in(
+        &self,
+        backend: ServerId,
+        endpoints: &FeedEndpoints,
+        from: u64,
+    ) -> Option<u64> {
+        let replay = endpoints.replay.as_deref()?;
+        match vllm_protocol::replay(replay, from, REPLAY_TIMEOUT).await {
+            Ok(Replayed::Filled(messages)) => {
+                self.metrics.replayed("filled");
+                let next = from + messages.len() as u64;
+                for message in &messages {
+                    if self.apply(backend, &message.batch) {
+                        if let Some(feed) = self.feeds.load().get(&backend) {
+                            feed.state.store(LIVE, Relaxed);
+                        }
+                    }
+                }
+                Some(next)
+            }
+            Ok(Replayed::Lost { first }) => {
+                self.metrics.replayed("lost");
+                tracing::info!(
+                    replay,
+                    wanted = from,
+                    first,
+                    "KV events: the replay socket no longer holds what was missed"
+                );
+                None
+            }
+            Err(e) => {
+                self.metrics.replayed("failed");
+                tracing::warn!(replay, error = %e, "KV events: the replay failed");
+                None
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -544,17 +667,48 @@ mod tests {
 
     const BLOCK: usize = 4;
 
-    /// A publisher on a loopback port, sending what the test tells it to.
+    /// A publisher on a loopback port, sending what the test tells it to; with a replay
+    /// socket, it keeps what it sends (or pretends to send) for replay.
     struct Publisher {
         socket: zeromq::PubSocket,
         endpoint: String,
+        replay: Option<(String, Arc<Mutex<vllm_protocol::ReplayBuffer>>)>,
     }
 
     impl Publisher {
         async fn bind(endpoint: &str) -> Self {
             let mut socket = zeromq::PubSocket::new();
             let endpoint = socket.bind(endpoint).await.unwrap().to_string();
-            Self { socket, endpoint }
+            Self {
+                socket,
+                endpoint,
+                replay: None,
+            }
+        }
+
+        /// A publisher with a replay socket keeping its last `keep` batches.
+        async fn with_replay(keep: usize) -> Self {
+            let mut publisher = Self::bind("tcp://127.0.0.1:0").await;
+            let mut router = zeromq::RouterSocket::new();
+            let endpoint = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+            let buffer = Arc::new(Mutex::new(vllm_protocol::ReplayBuffer::new(keep)));
+            tokio::spawn(vllm_protocol::replay::serve_replay(router, buffer.clone()));
+            publisher.replay = Some((endpoint, buffer));
+            publisher
+        }
+
+        fn endpoints(&self) -> FeedEndpoints {
+            FeedEndpoints {
+                events: self.endpoint.clone(),
+                replay: self.replay.as_ref().map(|(e, _)| e.clone()),
+            }
+        }
+
+        /// A batch published that no subscriber receives (lost on the way): only the replay
+        /// buffer has it.
+        fn lose(&mut self, seq: u64, events: Vec<KvEvent>) {
+            let (_, buffer) = self.replay.as_ref().expect("a replay socket");
+            buffer.lock().push(seq, encode(events).into());
         }
 
         async fn send_raw(&mut self, frames: Vec<Vec<u8>>) {
@@ -567,19 +721,22 @@ mod tests {
         }
 
         async fn send(&mut self, seq: u64, events: Vec<KvEvent>) {
-            let batch = EventBatch {
-                ts: 0.0,
-                events,
-                data_parallel_rank: Some(0),
-                skipped: Vec::new(),
-            };
-            self.send_raw(vec![
-                b"kv".to_vec(),
-                seq.to_be_bytes().to_vec(),
-                encode_batch(&batch),
-            ])
-            .await;
+            let payload = encode(events);
+            if let Some((_, buffer)) = &self.replay {
+                buffer.lock().push(seq, payload.clone().into());
+            }
+            self.send_raw(vec![b"kv".to_vec(), seq.to_be_bytes().to_vec(), payload])
+                .await;
         }
+    }
+
+    fn encode(events: Vec<KvEvent>) -> Vec<u8> {
+        encode_batch(&EventBatch {
+            ts: 0.0,
+            events,
+            data_parallel_rank: Some(0),
+            skipped: Vec::new(),
+        })
     }
 
     /// `n` blocks of a prompt starting at `first` (external hashes first..first+n).
@@ -613,6 +770,18 @@ mod tests {
 
     impl Feed {
         async fn follow(endpoint: &str, warmup: Duration, credit: Duration) -> Self {
+            let endpoints = FeedEndpoints {
+                events: endpoint.to_owned(),
+                replay: None,
+            };
+            Self::follow_endpoints(endpoints, warmup, credit).await
+        }
+
+        async fn follow_endpoints(
+            endpoints: FeedEndpoints,
+            warmup: Duration,
+            credit: Duration,
+        ) -> Self {
             let mut registry = Registry::default();
             let events = KvEvents::new(
                 EventSettings {
@@ -625,8 +794,7 @@ mod tests {
             let backend = vec![Arc::new(
                 Backend::new(BackendSpec::new("http://127.0.0.1:1"), 1000).unwrap(),
             )];
-            let endpoint = endpoint.to_owned();
-            events.sync(&backend, |_| Some(endpoint.clone()));
+            events.sync(&backend, |_| Some(endpoints.clone()));
             let feed = Self {
                 events,
                 backend,
@@ -848,6 +1016,114 @@ mod tests {
             .await;
         assert!(feed.live());
         assert_eq!(feed.matched(&q), Some(0));
+    }
+
+    #[tokio::test]
+    async fn a_gap_is_filled_in_from_the_replay_socket() {
+        let mut publisher = Publisher::with_replay(100).await;
+        let feed = Feed::follow_endpoints(
+            publisher.endpoints(),
+            Duration::from_secs(3600),
+            Duration::ZERO,
+        )
+        .await;
+        let (p, q, r) = (prompt(3, 0), prompt(3, 1), prompt(3, 2));
+        publisher.send(0, vec![stored(10, None, &p)]).await;
+        feed.until(|f| f.live()).await;
+        publisher.lose(1, vec![stored(20, None, &q), removed(&[12])]);
+        publisher.send(2, vec![stored(30, None, &r)]).await;
+        feed.until(|f| f.metric("prefix_router_kv_event_replays_total{outcome=\"filled\"}") == 1.0)
+            .await;
+        feed.until(|f| f.matched(&r).is_some_and(|m| m > 0)).await;
+        assert!(feed.live(), "nothing was forgotten: no warm-up");
+        assert_eq!(feed.metric("prefix_router_kv_event_gaps_total"), 1.0);
+        assert_eq!(
+            feed.matched(&q),
+            Some(2 * BLOCK as u64),
+            "the lost batch applied"
+        );
+        assert_eq!(
+            feed.matched(&p),
+            Some(2 * BLOCK as u64),
+            "the lost removal applied, what came before kept"
+        );
+        assert_eq!(
+            feed.events.index.get().unwrap().blocks(feed.backend[0].id),
+            8
+        );
+        // The stream goes on from where the replay ended.
+        publisher.send(3, vec![removed(&[30, 31, 32])]).await;
+        feed.until(|f| f.matched(&r) == Some(0)).await;
+        assert_eq!(feed.metric("prefix_router_kv_event_gaps_total"), 1.0);
+    }
+
+    #[tokio::test]
+    async fn a_gap_the_replay_socket_no_longer_holds_relearns_the_backend() {
+        let mut publisher = Publisher::with_replay(2).await;
+        let feed = Feed::follow_endpoints(
+            publisher.endpoints(),
+            Duration::from_secs(3600),
+            Duration::ZERO,
+        )
+        .await;
+        let p = prompt(3, 0);
+        publisher.send(0, vec![stored(10, None, &p)]).await;
+        feed.until(|f| f.live()).await;
+        for seq in 1..4 {
+            publisher.lose(
+                seq,
+                vec![stored(20 + 10 * seq, None, &prompt(1, seq as u32))],
+            );
+        }
+        publisher
+            .send(4, vec![stored(90, None, &prompt(2, 9))])
+            .await;
+        feed.until(|f| f.metric("prefix_router_kv_event_replays_total{outcome=\"lost\"}") == 1.0)
+            .await;
+        feed.until(|f| !f.live()).await;
+        assert_eq!(
+            feed.events.index.get().unwrap().blocks(feed.backend[0].id),
+            2,
+            "only what came after the gap"
+        );
+    }
+
+    #[tokio::test]
+    async fn joining_a_publisher_whose_replay_reaches_back_is_complete_at_once() {
+        let mut publisher = Publisher::with_replay(100).await;
+        // Published before the router listened.
+        let p = prompt(3, 0);
+        publisher.lose(0, vec![stored(10, None, &p)]);
+        publisher.lose(1, vec![removed(&[12])]);
+        let feed = Feed::follow_endpoints(
+            publisher.endpoints(),
+            Duration::from_secs(3600),
+            Duration::ZERO,
+        )
+        .await;
+        // Live without a message and without the warm-up: the replay brought everything.
+        feed.until(|f| f.live()).await;
+        assert_eq!(
+            feed.metric("prefix_router_kv_event_replays_total{outcome=\"filled\"}"),
+            1.0
+        );
+        assert_eq!(feed.matched(&p), Some(2 * BLOCK as u64), "from the replay");
+        // The stream goes on (sent until the subscription has reached the publisher; a message
+        // it missed meanwhile is a gap the replay fills in).
+        let q = prompt(2, 1);
+        let mut seq = 2;
+        while feed.matched(&q) != Some(BLOCK as u64) {
+            publisher
+                .send(seq, vec![stored(20 + seq * 10, None, &q)])
+                .await;
+            seq += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(feed.live());
+        assert_eq!(
+            feed.metric("prefix_router_kv_event_replays_total{outcome=\"lost\"}"),
+            0.0
+        );
     }
 
     #[tokio::test]

@@ -70,6 +70,9 @@ pub struct EventsSettings {
     pub events: events::EventSettings,
     /// A backend's publisher when its config names none: its host, this port.
     pub default_port: u16,
+    /// A backend's replay socket when its config names none: its host, this port (none:
+    /// gaps are not filled in).
+    pub replay_port: Option<u16>,
 }
 
 /// Called with a backend that left the fleet.
@@ -81,7 +84,7 @@ pub struct Core {
     pub strings: Arc<StringIndex>,
     /// The backends' KV events (`--kv-events`), if followed.
     pub events: Option<Arc<events::KvEvents>>,
-    events_port: u16,
+    events_ports: (u16, Option<u16>),
     policy: Box<dyn Policy>,
     least_loaded: policy::LeastLoaded,
     turn: AtomicU64,
@@ -106,7 +109,9 @@ impl Core {
         Self {
             fleet: Fleet::default(),
             strings: Arc::new(strings),
-            events_port: events.as_ref().map_or(0, |e| e.default_port),
+            events_ports: events
+                .as_ref()
+                .map_or((0, None), |e| (e.default_port, e.replay_port)),
             events: events.map(|e| events::KvEvents::new(e.events, registry)),
             policy: policy::build(policy),
             least_loaded: policy::LeastLoaded,
@@ -290,14 +295,21 @@ impl Core {
         }
     }
 
-    /// The KV-event publisher of a backend: its configured one, else its host and the default
-    /// port.
-    fn events_endpoint(&self, backend: &Backend) -> Option<String> {
-        if let Some(endpoint) = &backend.spec().kv_events {
-            return Some(endpoint.clone());
-        }
-        let host = backend.base.host()?;
-        Some(format!("tcp://{host}:{}", self.events_port))
+    /// The KV-event publisher of a backend and its replay socket: the configured ones, else
+    /// its host and the default ports.
+    fn events_endpoints(&self, backend: &Backend) -> Option<events::FeedEndpoints> {
+        let spec = backend.spec();
+        let host = backend.base.host();
+        let (events_port, replay_port) = self.events_ports;
+        let events = match &spec.kv_events {
+            Some(endpoint) => endpoint.clone(),
+            None => format!("tcp://{}:{events_port}", host?),
+        };
+        let replay = spec.kv_replay.clone().or_else(|| {
+            let port = replay_port?;
+            Some(format!("tcp://{}:{port}", host?))
+        });
+        Some(events::FeedEndpoints { events, replay })
     }
 
     /// A health check or a connection failed; after `--unhealthy-after` the backend leaves the
@@ -400,7 +412,7 @@ impl Core {
             self.restore_capacity(b).await;
         }
         if let Some(events) = &self.events {
-            events.sync(&self.fleet.all(), |b| self.events_endpoint(b));
+            events.sync(&self.fleet.all(), |b| self.events_endpoints(b));
         }
         Ok(change.added)
     }

@@ -68,6 +68,12 @@ pub struct ServeArgs {
     /// config names its own (`kv-events = "tcp://host:port"`).
     #[arg(long, env = "PREFIX_ROUTER_KV_EVENTS_PORT", default_value_t = 5557)]
     pub kv_events_port: u16,
+    /// The publishers' replay sockets on the backends' hosts (vLLM opens one when its
+    /// `--kv-events-config` has a `replay_endpoint`), unless a backend's config names its own
+    /// (`kv-replay = "tcp://host:port"`). With it, batches missed in a sequence gap or before
+    /// joining are asked for again instead of re-learning the backend.
+    #[arg(long, env = "PREFIX_ROUTER_KV_REPLAY_PORT")]
+    pub kv_replay_port: Option<u16>,
     /// A backend whose publisher was joined while running (at start, after a reconnection or
     /// a sequence gap) is trusted after this long; the string index answers for it meanwhile
     /// (a fresh publisher, or an emptied cache, is trusted at once).
@@ -187,6 +193,8 @@ struct FileBackend {
     api_key: Option<String>,
     #[serde(alias = "kv_events")]
     kv_events: Option<String>,
+    #[serde(alias = "kv_replay")]
+    kv_replay: Option<String>,
 }
 
 #[derive(clap::Parser)]
@@ -339,6 +347,7 @@ impl ServeArgs {
                 spec.weight = b.weight.unwrap_or(1);
                 spec.api_key = b.api_key.or_else(|| self.backend_api_key.clone());
                 spec.kv_events = b.kv_events;
+                spec.kv_replay = b.kv_replay;
                 specs.retain(|s| s.url != spec.url);
                 specs.push(spec);
             }

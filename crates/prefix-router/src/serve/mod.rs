@@ -118,6 +118,7 @@ pub async fn gateway(args: &ServeArgs) -> anyhow::Result<Arc<Gateway>> {
             seed: args.store.hash_seed,
         },
         default_port: args.kv_events_port,
+        replay_port: args.kv_replay_port,
     });
     let mut tokenizers = HashMap::new();
     for (model, dir) in args.tokenizer_dirs()? {

@@ -16,6 +16,8 @@ pub use prefix_bench::vllm_fleet::MODEL;
 pub struct SharedFleet {
     pub urls: Vec<String>,
     pub kv_events: Vec<String>,
+    /// The publishers' replay sockets.
+    pub kv_replay: Vec<String>,
     pub model_dir: PathBuf,
     /// Started by hand (`PREFIX_ROUTER_VLLM_URLS`): no crashes.
     pub external: bool,
@@ -65,6 +67,7 @@ pub async fn shared(servers: usize) -> Option<&'static SharedFleet> {
                     .map(str::to_owned)
                     .collect(),
                 kv_events: Vec::new(),
+                kv_replay: Vec::new(),
                 model_dir: std::env::var_os("PREFIX_ROUTER_VLLM_MODEL").map_or_else(
                     || {
                         PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -116,6 +119,7 @@ fn start(servers: usize) -> Result<SharedFleet, String> {
         let _ = ready.send(Ok((
             fleet.urls(),
             fleet.servers.iter().map(|s| s.kv_events.clone()).collect(),
+            fleet.servers.iter().map(|s| s.kv_replay.clone()).collect(),
             fleet.model_dir.clone(),
         )));
         for (i, done) in crashes {
@@ -124,10 +128,11 @@ fn start(servers: usize) -> Result<SharedFleet, String> {
         // Never reached while a test can still ask; the process's exit stops the servers.
         std::mem::forget(fleet);
     });
-    let (urls, kv_events, model_dir) = started.recv().map_err(|e| e.to_string())??;
+    let (urls, kv_events, kv_replay, model_dir) = started.recv().map_err(|e| e.to_string())??;
     Ok(SharedFleet {
         urls,
         kv_events,
+        kv_replay,
         model_dir,
         external: false,
         crash,
