@@ -25,8 +25,10 @@ pub enum Arrivals {
 }
 
 /// One request's measurements.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct Sample {
+    /// Seconds from the run's start to sending it.
+    pub sent_at: f64,
     pub ok: bool,
     pub status: u16,
     /// Seconds to the first byte of the answer (streams) or to the whole answer.
@@ -137,7 +139,7 @@ impl Shared {
         )
         .await;
         drop(lease);
-        let (sample, answer) = match result {
+        let (mut sample, answer) = match result {
             Ok(x) => x,
             Err(e) => (
                 Sample {
@@ -150,6 +152,7 @@ impl Shared {
                 String::new(),
             ),
         };
+        sample.sent_at = start.duration_since(self.started).as_secs_f64();
         self.samples.lock().push(sample.clone());
         self.progress.inc(1);
         (sample, answer)

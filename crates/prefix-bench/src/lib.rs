@@ -319,6 +319,7 @@ async fn measure(
     )
     .await;
     let counters = fleet.counters(client).await?.since(&before);
+    report::write_requests(&args.out, system.name(), &driven.samples)?;
     let mut figures = report::figures(&driven.samples, &counters, driven.wall.as_secs_f64());
     if let Some(path) = &args.workload.write_trace {
         workload::write_trace(path, &driven.sent)?;
@@ -423,6 +424,8 @@ pub async fn compare(
     let client = driver::client();
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("cannot create {}", args.out.display()))?;
+    // This comparison's per-request records replace the last one's.
+    let _ = std::fs::remove_dir_all(args.out.join("requests"));
     let fleet = if args.fleet == "vllm" {
         if args.workload.model == workload::DEFAULT_MODEL {
             args.workload.model = vllm_fleet::MODEL.to_owned();

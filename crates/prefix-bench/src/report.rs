@@ -3,6 +3,7 @@
 use std::fmt::Write;
 use std::path::Path;
 
+use anyhow::Context;
 use serde::Serialize;
 
 use crate::driver::Sample;
@@ -237,6 +238,30 @@ fn escape(s: &str) -> String {
 }
 
 /// Writes `results.json`, `results.md` and `chart.svg` into `dir`.
+/// Every request of one system's run, one JSON line each in send order
+/// (`requests/SYSTEM.jsonl`, `SYSTEM.2.jsonl` for its second run in the same comparison): to
+/// find what the slowest requests were.
+pub fn write_requests(dir: &Path, system: &str, samples: &[Sample]) -> anyhow::Result<()> {
+    let dir = dir.join("requests");
+    std::fs::create_dir_all(&dir)?;
+    let name = system.replace(['/', ' '], "_");
+    let path = (1..)
+        .map(|n| match n {
+            1 => dir.join(format!("{name}.jsonl")),
+            n => dir.join(format!("{name}.{n}.jsonl")),
+        })
+        .find(|p| !p.exists())
+        .expect("a free name");
+    let mut sorted: Vec<&Sample> = samples.iter().collect();
+    sorted.sort_by(|a, b| a.sent_at.total_cmp(&b.sent_at));
+    let mut text = String::new();
+    for sample in sorted {
+        text.push_str(&serde_json::to_string(sample)?);
+        text.push('\n');
+    }
+    std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))
+}
+
 pub fn write(dir: &Path, results: &[SystemResult], title: &str) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
     std::fs::write(

@@ -24,13 +24,15 @@ pub enum System {
     PrefixLoadReplicas,
     PrefixLoadEvents,
     PrefixLoadEventsReplicas,
+    Cost,
+    CostEvents,
     Oracle,
     SglangRouter,
     Smg,
     VllmRouter,
 }
 
-pub const ALL: [System; 14] = [
+pub const ALL: [System; 16] = [
     System::RoundRobin,
     System::LeastLoaded,
     System::Prefix,
@@ -41,6 +43,8 @@ pub const ALL: [System; 14] = [
     System::PrefixLoadReplicas,
     System::PrefixLoadEvents,
     System::PrefixLoadEventsReplicas,
+    System::Cost,
+    System::CostEvents,
     System::Oracle,
     System::SglangRouter,
     System::Smg,
@@ -60,6 +64,8 @@ impl System {
             System::PrefixLoadReplicas => "prefix_load+replicas",
             System::PrefixLoadEvents => "prefix_load+events",
             System::PrefixLoadEventsReplicas => "prefix_load+events+replicas",
+            System::Cost => "cost",
+            System::CostEvents => "cost+events",
             System::Oracle => "oracle",
             System::SglangRouter => "sglang-router",
             System::Smg => "smg",
@@ -410,7 +416,11 @@ impl LaunchContext {
         let mut router_pids = Vec::new();
         let mut oracle = None;
         match system {
-            System::RoundRobin | System::LeastLoaded | System::Prefix | System::PrefixLoad => {
+            System::RoundRobin
+            | System::LeastLoaded
+            | System::Prefix
+            | System::PrefixLoad
+            | System::Cost => {
                 let policy = system.name();
                 let (url, child) = self.router(client, policy, policy, &[], false).await?;
                 router_pids.extend(child.id());
@@ -475,6 +485,14 @@ impl LaunchContext {
                     urls.push(url);
                     children.push(child);
                 }
+            }
+            System::CostEvents => {
+                let (url, child) = self
+                    .router(client, system.name(), "cost", &[], true)
+                    .await?;
+                router_pids.extend(child.id());
+                urls.push(url);
+                children.push(child);
             }
             System::PrefixLoadEvents | System::PrefixLoadEventsReplicas => {
                 // No shared store: every replica follows every server's events.

@@ -86,6 +86,10 @@ pub struct Backend {
     pub inflight: AtomicU64,
     /// Of those, the ones whose first byte has not come back yet.
     pub waiting_first_byte: AtomicU64,
+    /// Uncached prompt tokens of those: the prefill work queued there by this router.
+    pub queued_prefill_tokens: AtomicU64,
+    /// Its prefill speed, learned from the TTFTs of streamed requests.
+    pub prefill: crate::core::prefill::PrefillModel,
     /// From the backend's `/metrics`: `vllm:num_requests_running` + `num_requests_waiting`.
     pub reported_queue: AtomicU64,
     pub reported_running: AtomicU64,
@@ -158,6 +162,8 @@ impl Backend {
             failures: AtomicU32::new(0),
             inflight: AtomicU64::new(0),
             waiting_first_byte: AtomicU64::new(0),
+            queued_prefill_tokens: AtomicU64::new(0),
+            prefill: Default::default(),
             reported_queue: AtomicU64::new(0),
             reported_running: AtomicU64::new(0),
             reported_waiting: AtomicU64::new(0),
@@ -281,32 +287,63 @@ impl Backend {
             queue: self.reported_queue.load(Relaxed),
             entries: self.entries.load(Relaxed),
             matched_tokens: 0,
+            queued_prefill_tokens: self.queued_prefill_tokens.load(Relaxed),
+            reported_waiting: self.reported_waiting.load(Relaxed),
+            kv_usage: self.kv_usage(),
+            prefill: self.prefill.line(),
         }
     }
 }
+
+/// Called with the time to first byte of a request, when it comes.
+pub type OnFirstByte = Box<dyn FnOnce(std::time::Duration) + Send + Sync>;
 
 /// Counts a request against a backend until dropped (finished, failed or cancelled alike),
 /// so in-flight counters cannot leak.
 pub struct InflightGuard {
     backend: Arc<Backend>,
     waiting_first_byte: bool,
+    /// The uncached prompt tokens it added to the backend's prefill queue.
+    uncached: u64,
+    sent: std::time::Instant,
+    on_first_byte: Option<OnFirstByte>,
 }
 
 impl InflightGuard {
-    pub fn new(backend: Arc<Backend>) -> Self {
+    /// A request with `uncached` prompt tokens to compute sent to `backend`.
+    pub fn new(backend: Arc<Backend>, uncached: u64) -> Self {
         backend.inflight.fetch_add(1, Relaxed);
         backend.waiting_first_byte.fetch_add(1, Relaxed);
+        backend.queued_prefill_tokens.fetch_add(uncached, Relaxed);
         Self {
             backend,
             waiting_first_byte: true,
+            uncached,
+            sent: std::time::Instant::now(),
+            on_first_byte: None,
         }
+    }
+
+    /// `f` gets the time to the first byte, if it comes (not when the request fails first).
+    pub fn on_first_byte(&mut self, f: OnFirstByte) {
+        self.on_first_byte = Some(f);
     }
 
     /// The first byte of the answer arrived.
     pub fn first_byte(&mut self) {
         if std::mem::take(&mut self.waiting_first_byte) {
-            self.backend.waiting_first_byte.fetch_sub(1, Relaxed);
+            self.leave_prefill_queue();
+            if let Some(f) = self.on_first_byte.take() {
+                f(self.sent.elapsed());
+            }
         }
+    }
+
+    fn leave_prefill_queue(&self) {
+        self.backend.waiting_first_byte.fetch_sub(1, Relaxed);
+        self.backend
+            .queued_prefill_tokens
+            .fetch_sub(self.uncached, Relaxed);
     }
 
     pub fn backend(&self) -> &Arc<Backend> {
@@ -316,7 +353,10 @@ impl InflightGuard {
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
-        self.first_byte();
+        // Ended without a first byte: no TTFT to learn from.
+        if std::mem::take(&mut self.waiting_first_byte) {
+            self.leave_prefill_queue();
+        }
         self.backend.inflight.fetch_sub(1, Relaxed);
     }
 }
@@ -418,20 +458,42 @@ mod tests {
     #[test]
     fn guard_counts_exactly() {
         let b = Arc::new(Backend::new(BackendSpec::new("http://a:1"), 10).unwrap());
-        let mut g = InflightGuard::new(b.clone());
+        let mut g = InflightGuard::new(b.clone(), 700);
+        let ttfts = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let seen = ttfts.clone();
+        g.on_first_byte(Box::new(move |t| seen.lock().push(t)));
+        let mut other = InflightGuard::new(b.clone(), 300);
         assert_eq!(
-            (b.inflight.load(Relaxed), b.waiting_first_byte.load(Relaxed)),
-            (1, 1)
+            (
+                b.inflight.load(Relaxed),
+                b.waiting_first_byte.load(Relaxed),
+                b.queued_prefill_tokens.load(Relaxed)
+            ),
+            (2, 2, 1000)
         );
         g.first_byte();
         g.first_byte();
-        assert_eq!(b.waiting_first_byte.load(Relaxed), 0);
-        drop(g);
-        assert_eq!(b.inflight.load(Relaxed), 0);
-        drop(InflightGuard::new(b.clone()));
+        assert_eq!(ttfts.lock().len(), 1, "the first byte is reported once");
         assert_eq!(
-            (b.inflight.load(Relaxed), b.waiting_first_byte.load(Relaxed)),
-            (0, 0)
+            (
+                b.waiting_first_byte.load(Relaxed),
+                b.queued_prefill_tokens.load(Relaxed)
+            ),
+            (1, 300)
+        );
+        drop(g);
+        assert_eq!(b.inflight.load(Relaxed), 1);
+        // A request that fails before answering leaves the queue too.
+        other.on_first_byte(Box::new(|_| panic!("no first byte came")));
+        drop(other);
+        drop(InflightGuard::new(b.clone(), 5));
+        assert_eq!(
+            (
+                b.inflight.load(Relaxed),
+                b.waiting_first_byte.load(Relaxed),
+                b.queued_prefill_tokens.load(Relaxed)
+            ),
+            (0, 0, 0)
         );
     }
 
@@ -457,7 +519,7 @@ mod tests {
         spec.models = Some(vec!["m".into()]);
         fleet.reconcile(std::slice::from_ref(&spec), 10).unwrap();
         let before = fleet.all()[0].clone();
-        let running = InflightGuard::new(before.clone());
+        let running = InflightGuard::new(before.clone(), 0);
         spec.weight = 4;
         spec.capacity = Some(77);
         let change = fleet.reconcile(std::slice::from_ref(&spec), 10).unwrap();

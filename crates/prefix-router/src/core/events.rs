@@ -382,8 +382,9 @@ impl KvEvents {
         }
     }
 
-    /// Applies one batch of `backend`'s events.
-    fn apply(&self, backend: ServerId, batch: &EventBatch) -> bool {
+    /// Applies one batch of `backend`'s events (`replayed`: an old batch asked for again, whose
+    /// age is no lag).
+    fn apply(&self, backend: ServerId, batch: &EventBatch, replayed: bool) -> bool {
         let m = &self.metrics;
         m.count("skipped", batch.skipped.len() as u64);
         let mut cleared = false;
@@ -427,7 +428,7 @@ impl KvEvents {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
-        if batch.ts > 0.0 {
+        if batch.ts > 0.0 && !replayed {
             m.lag.observe((now - batch.ts).max(0.0));
         }
         cleared
@@ -604,7 +605,7 @@ async fn follow(
                 }
             }
             last = Some(message.seq);
-            if events.apply(backend, &message.batch) {
+            if events.apply(backend, &message.batch, false) {
                 // An emptied cache is known exactly from here.
                 state.state.store(LIVE, Relaxed);
             }
@@ -631,7 +632,7 @@ impl KvEvents {
                 self.metrics.replayed("filled");
                 let next = from + messages.len() as u64;
                 for message in &messages {
-                    if self.apply(backend, &message.batch) {
+                    if self.apply(backend, &message.batch, true) {
                         if let Some(feed) = self.feeds.load().get(&backend) {
                             feed.state.store(LIVE, Relaxed);
                         }

@@ -35,6 +35,9 @@ struct FleetGauges {
     healthy: Family<BackendLabels, Gauge>,
     capacity: Family<BackendLabels, Gauge>,
     bytes_per_token: Family<BackendLabels, Gauge<f64, AtomicU64>>,
+    queued_prefill: Family<BackendLabels, Gauge>,
+    prefill_speed: Family<BackendLabels, Gauge<f64, AtomicU64>>,
+    prefill_overhead: Family<BackendLabels, Gauge<f64, AtomicU64>>,
     // production-stack names
     current_qps: Family<ServerLabels, Gauge<f64, AtomicU64>>,
     running: Family<ServerLabels, Gauge>,
@@ -53,6 +56,9 @@ impl CoreMetrics {
                 healthy: Family::default(),
                 capacity: Family::default(),
                 bytes_per_token: Family::default(),
+                queued_prefill: Family::default(),
+                prefill_speed: Family::default(),
+                prefill_overhead: Family::default(),
                 current_qps: Family::default(),
                 running: Family::default(),
                 prefill: Family::default(),
@@ -92,6 +98,21 @@ impl CoreMetrics {
             f.bytes_per_token.clone(),
         );
         r.register(
+            "prefix_router_queued_prefill_tokens",
+            "Uncached prompt tokens of the requests sent to the backend that have not started answering, by backend",
+            f.queued_prefill.clone(),
+        );
+        r.register(
+            "prefix_router_prefill_tokens_per_second",
+            "The backend's prefill speed as learned from its TTFTs (the cost policy's model), by backend",
+            f.prefill_speed.clone(),
+        );
+        r.register(
+            "prefix_router_prefill_overhead_seconds",
+            "The backend's TTFT with no prefill work, as learned from its TTFTs, by backend",
+            f.prefill_overhead.clone(),
+        );
+        r.register(
             "vllm:current_qps",
             "Requests per second over the last metrics interval (production-stack name)",
             f.current_qps.clone(),
@@ -129,6 +150,9 @@ impl CoreMetrics {
             family.clear();
         }
         f.bytes_per_token.clear();
+        f.queued_prefill.clear();
+        f.prefill_speed.clear();
+        f.prefill_overhead.clear();
         f.current_qps.clear();
         for b in backends {
             let label = Label(b.label.clone());
@@ -146,6 +170,16 @@ impl CoreMetrics {
             f.bytes_per_token
                 .get_or_create(&backend)
                 .set(b.bytes_per_token());
+            f.queued_prefill
+                .get_or_create(&backend)
+                .set(b.queued_prefill_tokens.load(Relaxed) as i64);
+            let line = b.prefill.line();
+            f.prefill_speed
+                .get_or_create(&backend)
+                .set(1.0 / line.seconds_per_token);
+            f.prefill_overhead
+                .get_or_create(&backend)
+                .set(line.overhead_s);
             let server = ServerLabels { server: label };
             f.running.get_or_create(&server).set(inflight);
             f.prefill.get_or_create(&server).set(prefill);

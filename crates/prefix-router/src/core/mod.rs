@@ -11,6 +11,7 @@ pub mod events;
 pub mod matches;
 pub mod metrics;
 pub mod policy;
+pub mod prefill;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -62,6 +63,9 @@ pub struct Decision {
     pub index: &'static str,
     /// The request's token-block names (precise mode), to credit where it is sent.
     pub block_names: Option<Arc<[u64]>>,
+    /// Prompt tokens each backend of `order` would have to compute (what it does not hold),
+    /// where the request's matches are known; else empty.
+    pub uncached: Vec<u64>,
 }
 
 /// Where precise matches come from.
@@ -257,7 +261,16 @@ impl Core {
         if let Some(ratio) = choice.matched_ratio {
             self.metrics.matched_ratio.observe(ratio);
         }
+        let uncached = match facts.matches {
+            MatchFacts::Known { total_tokens } => choice
+                .order
+                .iter()
+                .map(|&p| total_tokens.saturating_sub(rows[p].matched_tokens))
+                .collect(),
+            _ => Vec::new(),
+        };
         Decision {
+            uncached,
             order: choice
                 .order
                 .iter()

@@ -31,6 +31,11 @@ pub struct ModelLabels {
 
 type Hist<L> = Family<L, Histogram, fn() -> Histogram>;
 
+/// 1/16 .. 16, four buckets per doubling.
+fn ratio() -> Histogram {
+    Histogram::new(exponential_buckets(1.0 / 16.0, 2f64.sqrt().sqrt(), 33))
+}
+
 fn latency() -> Histogram {
     // 10 µs .. ~42 s
     Histogram::new(exponential_buckets(1e-5, 2.0, 23))
@@ -52,6 +57,8 @@ pub struct GatewayMetrics {
     retries: Family<BackendLabels, Counter>,
     pub incoming: Family<ModelLabels, Counter>,
     request_latency: Hist<ServerLabels>,
+    ttft: Hist<BackendLabels>,
+    ttft_prediction: Hist<BackendLabels>,
 }
 
 impl GatewayMetrics {
@@ -64,6 +71,8 @@ impl GatewayMetrics {
             retries: Family::default(),
             incoming: Family::default(),
             request_latency: Hist::new_with_constructor(latency),
+            ttft: Hist::new_with_constructor(latency),
+            ttft_prediction: Hist::new_with_constructor(ratio),
         };
         r.register(
             "prefix_router_requests",
@@ -95,7 +104,31 @@ impl GatewayMetrics {
             "End-to-end request latency through the router, by backend (production-stack name)",
             m.request_latency.clone(),
         );
+        r.register(
+            "prefix_router_ttft_seconds",
+            "Time to first byte of streamed answers through the router, by backend",
+            m.ttft.clone(),
+        );
+        r.register(
+            "prefix_router_ttft_prediction_ratio",
+            "Observed ÷ predicted time to first byte of streamed answers, by backend (1: the learned prefill line was right)",
+            m.ttft_prediction.clone(),
+        );
         m
+    }
+
+    /// A streamed answer's first byte came after `ttft` seconds, where `predicted` was
+    /// expected.
+    pub fn observe_ttft(&self, backend: &Backend, ttft: f64, predicted: f64) {
+        let labels = BackendLabels {
+            backend: Label(backend.label.clone()),
+        };
+        self.ttft.get_or_create(&labels).observe(ttft);
+        if predicted > 0.0 {
+            self.ttft_prediction
+                .get_or_create(&labels)
+                .observe(ttft / predicted);
+        }
     }
 
     /// Counts one answered request, and its latency.
@@ -139,7 +172,10 @@ impl GatewayMetrics {
         self.request_latency.remove(&ServerLabels {
             server: label.clone(),
         });
-        self.retries.remove(&BackendLabels { backend: label });
+        let backend = BackendLabels { backend: label };
+        self.ttft.remove(&backend);
+        self.ttft_prediction.remove(&backend);
+        self.retries.remove(&backend);
     }
 }
 

@@ -101,6 +101,7 @@ pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Respon
             model,
         },
         decision.order,
+        &decision.uncached,
         prompt.as_ref(),
         decision.block_names.as_ref(),
     )
@@ -167,6 +168,7 @@ async fn forward(
     gw: &Arc<Gateway>,
     req: Outgoing,
     order: Vec<Arc<Backend>>,
+    uncached: &[u64],
     prompt: Option<&PromptKey>,
     block_names: Option<&Arc<[u64]>>,
 ) -> Response {
@@ -199,7 +201,24 @@ async fn forward(
         gw.core.sent(prompt, block_names, &backend).await;
         let upstream =
             proxy::upstream_request(&backend, &parts.method, &parts.uri, &headers, body.clone());
-        let guard = InflightGuard::new(backend.clone());
+        // The prefill it asks of the backend: what the backend does not hold, or the whole
+        // prompt (estimated from its bytes) where matches are not known.
+        let uncached = uncached.get(attempt).copied().unwrap_or_else(|| {
+            (text_bytes as f64 / backend.bytes_per_token().max(0.1)).round() as u64
+        });
+        let row = backend.row();
+        let mut guard = InflightGuard::new(backend.clone(), uncached);
+        if stream {
+            // Its TTFT teaches the backend's prefill line, and says how right the line was.
+            let work = crate::core::policy::prefill_work(&row, uncached);
+            let predicted = crate::core::policy::predicted_ttft(&row, uncached);
+            let (gw2, b2) = (gw.clone(), backend.clone());
+            guard.on_first_byte(Box::new(move |ttft| {
+                let ttft = ttft.as_secs_f64();
+                b2.prefill.observe(work, ttft);
+                gw2.metrics.observe_ttft(&b2, ttft, predicted);
+            }));
+        }
         backend.routed.fetch_add(1, Relaxed);
         if attempt == 0 {
             gw.metrics

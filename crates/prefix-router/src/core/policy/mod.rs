@@ -5,6 +5,7 @@
 //! live counters, so its tests write rows. Each policy lives in its own file with its settings;
 //! [`build`] makes the configured one.
 
+mod cost;
 mod least_loaded;
 pub mod order;
 mod prefix;
@@ -17,6 +18,7 @@ pub(crate) mod fixtures;
 
 use prefix_index::ServerId;
 
+pub use cost::{predicted_ttft, prefill_work, Cost};
 pub use least_loaded::LeastLoaded;
 pub use prefix::Prefix;
 pub use prefix_load::PrefixLoad;
@@ -40,6 +42,9 @@ pub enum PolicyKind {
     /// Longest prefix unless the match is below `--cache-threshold` or the backend is too far
     /// above the least loaded one (`--balance-abs` and `--balance-rel`); then least loaded.
     PrefixLoad,
+    /// The lowest predicted time to first token: prefill work queued there plus this
+    /// request's uncached tokens, through each backend's prefill speed learned from its TTFTs.
+    Cost,
 }
 
 impl PolicyKind {
@@ -50,6 +55,7 @@ impl PolicyKind {
             Self::Session => "session",
             Self::Prefix => "prefix",
             Self::PrefixLoad => "prefix_load",
+            Self::Cost => "cost",
         }
     }
 }
@@ -79,6 +85,7 @@ pub fn build(settings: &PolicySettings) -> Box<dyn Policy> {
             balance_abs: settings.balance_abs,
             balance_rel: settings.balance_rel,
         }),
+        PolicyKind::Cost => Box::new(Cost),
     }
 }
 
@@ -98,6 +105,15 @@ pub struct CandidateRow {
     pub entries: u64,
     /// Leading tokens of this request it holds (0 unless the policy asked for matches).
     pub matched_tokens: u64,
+    /// Uncached prompt tokens of the requests this router sent there that have not started
+    /// answering: the prefill work ahead of a new request.
+    pub queued_prefill_tokens: u64,
+    /// Requests the backend itself reports waiting (this router's and others').
+    pub reported_waiting: u64,
+    /// Its KV cache's usage, 0..1, as it reports it.
+    pub kv_usage: f64,
+    /// Its prefill speed as learned from its TTFTs.
+    pub prefill: crate::core::prefill::PrefillLine,
 }
 
 /// What the match sources said about a request.
@@ -134,6 +150,10 @@ pub enum Reason {
     LoadGuard,
     /// The store failed or timed out: routed by load.
     StoreUnavailable,
+    /// The cost policy chose a backend holding the longest match.
+    CostHit,
+    /// The cost policy chose a backend with less of a match: its queue made it faster.
+    CostBalance,
 }
 
 impl Reason {
@@ -148,6 +168,8 @@ impl Reason {
             Self::BelowThreshold => "below_threshold",
             Self::LoadGuard => "load_guard",
             Self::StoreUnavailable => "store_unavailable",
+            Self::CostHit => "cost_hit",
+            Self::CostBalance => "cost_balance",
         }
     }
 }

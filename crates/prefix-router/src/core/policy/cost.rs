@@ -1,0 +1,198 @@
+//! `cost`: the backend where this request's predicted time to first token is lowest.
+//!
+//! For each candidate: the prefill work ahead of the request there (the uncached tokens of the
+//! requests this router sent that have not started answering, plus the backend's own waiting
+//! requests this router did not send, each counted as large as this one) plus the request's
+//! own uncached tokens, through the backend's learned prefill line
+//! ([`crate::core::prefill`]); a backend whose KV cache is nearly full (preemptions ahead) costs
+//! up to twice as much. A match is worth exactly the prefill it saves, and a queue exactly the
+//! wait it adds: no threshold to tune.
+//!
+//! Near-equal costs (within 5 % or 2 ms) are not decided by position: the request goes to one
+//! of them in turn, so a burst of equal requests spreads as soon as one backend's queue makes it
+//! slower, and replicas with the same view do not all pick the same backend.
+
+use super::order::by_prefill_load;
+use super::{CandidateRow, Choice, MatchFacts, Policy, Reason, RequestFacts};
+
+/// Costs within this fraction of the lowest are near-ties...
+const TIE_FRACTION: f64 = 0.05;
+/// ... or within this many seconds.
+const TIE_SECONDS: f64 = 0.002;
+/// KV usage above which a backend is penalized (it preempts soon).
+const KV_PRESSURE_FROM: f64 = 0.95;
+
+pub struct Cost;
+
+/// The prompt tokens `row`'s backend computes before the first token of a request with
+/// `uncached` tokens to compute there: the work queued ahead of it, and its own.
+pub fn prefill_work(row: &CandidateRow, uncached: u64) -> u64 {
+    let foreign_waiting = row.reported_waiting.saturating_sub(row.waiting_first_byte);
+    row.queued_prefill_tokens + foreign_waiting * uncached.max(1) + uncached
+}
+
+/// The predicted TTFT of a request with `uncached` tokens to compute at `row`.
+pub fn predicted_ttft(row: &CandidateRow, uncached: u64) -> f64 {
+    let ttft = row.prefill.ttft(prefill_work(row, uncached));
+    let pressure = ((row.kv_usage - KV_PRESSURE_FROM) / (1.0 - KV_PRESSURE_FROM)).clamp(0.0, 1.0);
+    ttft * (1.0 + pressure)
+}
+
+impl Policy for Cost {
+    fn name(&self) -> &'static str {
+        "cost"
+    }
+
+    fn needs_matches(&self) -> bool {
+        true
+    }
+
+    fn choose(&self, rows: &[CandidateRow], facts: &RequestFacts) -> Choice {
+        let (total, reason_without_match) = match facts.matches {
+            MatchFacts::Known { total_tokens } => (total_tokens, None),
+            MatchFacts::Unavailable => (0, Some(Reason::StoreUnavailable)),
+            MatchFacts::None => (0, Some(Reason::LeastLoaded)),
+        };
+        let costs: Vec<f64> = rows
+            .iter()
+            .map(|r| predicted_ttft(r, total.saturating_sub(r.matched_tokens)))
+            .collect();
+        // Cheapest first; equal costs by load, so the order's tail is sensible too.
+        let mut order: Vec<usize> = (0..rows.len()).collect();
+        by_prefill_load(rows, &mut order, 0);
+        order.sort_by(|&a, &b| costs[a].total_cmp(&costs[b]));
+        let lowest = costs[order[0]];
+        let bound = lowest + (lowest * TIE_FRACTION).max(TIE_SECONDS);
+        let near = order.iter().take_while(|&&p| costs[p] <= bound).count();
+        if near > 1 {
+            let pick = (facts.turn % near as u64) as usize;
+            order[..near].rotate_left(pick);
+        }
+        let chosen = &rows[order[0]];
+        let best_match = rows.iter().map(|r| r.matched_tokens).max().unwrap_or(0);
+        let reason = match reason_without_match {
+            Some(reason) => reason,
+            None if best_match == 0 => Reason::LeastLoaded,
+            None if chosen.matched_tokens == best_match => Reason::CostHit,
+            None => Reason::CostBalance,
+        };
+        Choice {
+            order,
+            reason,
+            matched_ratio: (total > 0).then(|| chosen.matched_tokens as f64 / total as f64),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::fixtures::{known, matched, plain, rows};
+    use super::*;
+    use crate::core::prefill::PrefillLine;
+
+    /// 10 ms + 10,000 tokens/s everywhere.
+    fn line() -> PrefillLine {
+        PrefillLine {
+            overhead_s: 0.01,
+            seconds_per_token: 1e-4,
+        }
+    }
+
+    fn fleet(n: usize) -> Vec<CandidateRow> {
+        let mut r = rows(n);
+        for row in &mut r {
+            row.prefill = line();
+        }
+        r
+    }
+
+    #[test]
+    fn a_match_wins_by_the_prefill_it_saves() {
+        let r = matched(fleet(3), &[0, 3000, 1000]);
+        let c = Cost.choose(&r, &known(4000, 0));
+        assert_eq!(c.order[0], 1);
+        assert_eq!(c.reason, Reason::CostHit);
+        assert_eq!(c.order[1..], [2, 0]);
+    }
+
+    #[test]
+    fn a_queue_outweighs_a_match_when_it_costs_more_than_it_saves() {
+        let mut r = matched(fleet(2), &[3000, 0]);
+        // 3,000 tokens saved, but 5,000 queued ahead there.
+        r[0].queued_prefill_tokens = 5000;
+        let c = Cost.choose(&r, &known(4000, 0));
+        assert_eq!((c.order[0], c.reason), (1, Reason::CostBalance));
+        // 2,000 queued: the match still wins.
+        r[0].queued_prefill_tokens = 2000;
+        assert_eq!(Cost.choose(&r, &known(4000, 0)).order[0], 0);
+    }
+
+    #[test]
+    fn a_faster_backend_takes_more_work() {
+        let mut r = fleet(2);
+        r[0].prefill.seconds_per_token = 0.5e-4;
+        r[0].queued_prefill_tokens = 1500;
+        r[1].queued_prefill_tokens = 1000;
+        // 0.01 + 0.5e-4 × 2500 = 135 ms against 0.01 + 1e-4 × 2000 = 210 ms.
+        assert_eq!(Cost.choose(&r, &known(1000, 0)).order[0], 0);
+    }
+
+    #[test]
+    fn a_burst_of_equal_requests_spreads() {
+        // Equal costs: the turn decides, so consecutive requests (and replicas at different
+        // turns) go to different backends.
+        let r = fleet(3);
+        let firsts: Vec<usize> = (0..3)
+            .map(|turn| Cost.choose(&r, &known(500, turn)).order[0])
+            .collect();
+        let mut sorted = firsts.clone();
+        sorted.sort();
+        assert_eq!(sorted, vec![0, 1, 2], "{firsts:?}");
+        // Once one backend has the first request's work queued, the next goes elsewhere.
+        let mut r = fleet(2);
+        r[0].queued_prefill_tokens = 500;
+        for turn in 0..4 {
+            assert_eq!(Cost.choose(&r, &known(500, turn)).order[0], 1);
+        }
+    }
+
+    #[test]
+    fn a_nearly_full_cache_and_foreign_waiting_requests_cost() {
+        let mut r = fleet(2);
+        r[0].kv_usage = 0.99;
+        assert_eq!(Cost.choose(&r, &known(1000, 0)).order[0], 1);
+        assert_eq!(Cost.choose(&r, &known(1000, 1)).order[0], 1);
+        let mut r = fleet(2);
+        // Three requests waiting at backend 0 that another router sent.
+        r[0].reported_waiting = 3;
+        assert_eq!(Cost.choose(&r, &known(1000, 0)).order[0], 1);
+        // The router's own waiting request is counted by its tokens, not twice.
+        let mut r = fleet(2);
+        r[0].reported_waiting = 1;
+        r[0].waiting_first_byte = 1;
+        r[0].queued_prefill_tokens = 10;
+        r[1].queued_prefill_tokens = 200;
+        assert_eq!(Cost.choose(&r, &known(1000, 0)).order[0], 0);
+    }
+
+    #[test]
+    fn without_matches_the_least_queued_work_wins() {
+        let mut r = fleet(3);
+        r[0].queued_prefill_tokens = 900;
+        r[1].queued_prefill_tokens = 100;
+        r[2].queued_prefill_tokens = 4000;
+        let c = Cost.choose(&r, &plain(None, 0));
+        assert_eq!(
+            (c.order.clone(), c.reason),
+            (vec![1, 0, 2], Reason::LeastLoaded)
+        );
+        let c = Cost.choose(
+            &r,
+            &RequestFacts {
+                matches: MatchFacts::Unavailable,
+                ..plain(None, 0)
+            },
+        );
+        assert_eq!((c.order[0], c.reason), (1, Reason::StoreUnavailable));
+    }
+}

@@ -1,0 +1,171 @@
+//! The cost policy against simulated servers that take real time: it learns each server's
+//! prefill speed from the TTFTs it sees and sends work where it finishes first.
+
+mod common;
+
+use common::{fleet, metric, metrics_text, router, series};
+use serde_json::json;
+use vllm_sim::SimConfig;
+
+/// A sim that prefills `tokens_per_s` tokens a second after 10 ms, in real time.
+fn timed(tokens_per_s: f64) -> SimConfig {
+    SimConfig {
+        prefill_tokens_per_s: tokens_per_s,
+        prefill_overhead_ms: 10.0,
+        itl_ms: 1.0,
+        ..SimConfig::default()
+    }
+}
+
+/// Distinct text of about `bytes` bytes (the sims' byte model: 4 bytes a token).
+fn text(seed: u64, bytes: usize) -> String {
+    let mut s = String::with_capacity(bytes + 16);
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    while s.len() < bytes {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        s.push_str(&format!("w{} ", x >> 40));
+    }
+    s
+}
+
+async fn stream(url: &str, prompt: String) {
+    let body = json!({"model": "sim-model", "prompt": prompt, "max_tokens": 2, "stream": true});
+    let resp = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert!(resp.status().is_success());
+    resp.bytes().await.unwrap();
+}
+
+/// The learned speed of each backend, in `urls` order.
+async fn learned(router: &str, urls: &[String]) -> Vec<f64> {
+    let text = metrics_text(router).await;
+    urls.iter()
+        .map(|u| {
+            series(&text, "prefix_router_prefill_tokens_per_second")
+                .find(|l| l.contains(&format!("\"{u}\"")))
+                .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+                .unwrap()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cost_policy_learns_each_servers_speed_and_prefers_the_faster() {
+    let slow = fleet(timed(5_000.0), 1).await;
+    let fast = fleet(timed(40_000.0), 1).await;
+    let urls = vec![slow.urls()[0].clone(), fast.urls()[0].clone()];
+    let (r, _) = router(&urls, &["--policy", "cost"]).await;
+    let url = r.url();
+    // Prompts of 250 to 2,000 tokens, one at a time: each server's TTFTs teach its line.
+    for i in 0..40u64 {
+        stream(&url, text(i, 1000 + (i as usize * 677) % 7000)).await;
+    }
+    let speeds = learned(&url, &urls).await;
+    let served: Vec<f64> = {
+        let mut v = Vec::new();
+        for u in &urls {
+            v.push(
+                metric(
+                    &url,
+                    "prefix_router_requests_total",
+                    &format!("backend=\"{u}\""),
+                )
+                .await,
+            );
+        }
+        v
+    };
+    eprintln!("learned speeds {speeds:?} tokens/s, requests served {served:?}");
+    assert!(
+        served[1] > served[0] * 2.0,
+        "the faster server took most of the work: {served:?}, learned {speeds:?}"
+    );
+    // The faster server's line, learned from most of the requests, is close to its speed.
+    assert!(
+        (speeds[1] - 40_000.0).abs() < 0.35 * 40_000.0,
+        "learned {speeds:?} (served {served:?})"
+    );
+    assert!(speeds[0] < speeds[1], "learned {speeds:?}");
+    // Every streamed answer's TTFT is recorded against its prediction.
+    assert_eq!(
+        metric(&url, "prefix_router_ttft_prediction_ratio_count", "").await,
+        40.0
+    );
+    assert_eq!(
+        metric(&url, "prefix_router_ttft_seconds_count", "").await,
+        40.0
+    );
+    assert_eq!(
+        metric(&url, "prefix_router_queued_prefill_tokens", "").await,
+        0.0,
+        "nothing queued once every request answered"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_siblings_spreads_over_equal_servers() {
+    let sims = fleet(timed(10_000.0), 3).await;
+    let urls = sims.urls();
+    let (r, _) = router(&urls, &["--policy", "cost"]).await;
+    let url = r.url();
+    // Nine requests at once with the same 1,500-token prefix: once a server has one queued,
+    // the next is faster elsewhere, so all three compute the prefix and share the burst.
+    let prefix = text(99, 6000);
+    let burst: Vec<_> = (0..9u64)
+        .map(|i| {
+            let url = url.clone();
+            let prompt = format!("{prefix} question {i}");
+            tokio::spawn(async move { stream(&url, prompt).await })
+        })
+        .collect();
+    for b in burst {
+        b.await.unwrap();
+    }
+    for u in &urls {
+        let n = metric(
+            &url,
+            "prefix_router_requests_total",
+            &format!("backend=\"{u}\""),
+        )
+        .await;
+        assert!(n >= 2.0, "{u} took {n} of the burst");
+    }
+    // And the prefix_load policy keeps a burst together (its guard trips later): the
+    // difference this test is about.
+    let (r2, _) = router(&urls, &["--policy", "prefix_load"]).await;
+    let url2 = r2.url();
+    let prefix = text(7, 6000);
+    let burst: Vec<_> = (0..9u64)
+        .map(|i| {
+            let url = url2.clone();
+            let prompt = format!("{prefix} question {i}");
+            tokio::spawn(async move { stream(&url, prompt).await })
+        })
+        .collect();
+    for b in burst {
+        b.await.unwrap();
+    }
+    let mut most: f64 = 0.0;
+    for u in &urls {
+        most = most.max(
+            metric(
+                &url2,
+                "prefix_router_requests_total",
+                &format!("backend=\"{u}\""),
+            )
+            .await,
+        );
+    }
+    assert!(
+        most >= 5.0,
+        "prefix_load put at most {most} of 9 on one server"
+    );
+}
