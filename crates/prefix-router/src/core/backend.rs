@@ -291,6 +291,7 @@ impl Backend {
             reported_waiting: self.reported_waiting.load(Relaxed),
             kv_usage: self.kv_usage(),
             prefill: self.prefill.line(),
+            prefill_observations: self.prefill.observations(),
         }
     }
 }

@@ -4,9 +4,10 @@
 //! requests this router sent that have not started answering, plus the backend's own waiting
 //! requests this router did not send, each counted as large as this one) plus the request's
 //! own uncached tokens, through the backend's learned prefill line
-//! ([`crate::core::prefill`]); a backend whose KV cache is nearly full (preemptions ahead) costs
-//! up to twice as much. A match is worth exactly the prefill it saves, and a queue exactly the
-//! wait it adds: no threshold to tune.
+//! ([`crate::core::prefill`]; a backend that has not learned its own yet is judged by the
+//! others'); a backend whose KV cache is over 80 % full costs up to twice as much. A match is
+//! worth exactly the prefill it saves, and a queue exactly the wait it adds: no threshold to
+//! tune.
 //!
 //! Near-equal costs (within 5 % or 2 ms) are not decided by position: the request goes to one
 //! of them in turn, so a burst of equal requests spreads as soon as one backend's queue makes it
@@ -14,13 +15,18 @@
 
 use super::order::by_prefill_load;
 use super::{CandidateRow, Choice, MatchFacts, Policy, Reason, RequestFacts};
+use crate::core::prefill::PrefillLine;
 
 /// Costs within this fraction of the lowest are near-ties...
 const TIE_FRACTION: f64 = 0.05;
 /// ... or within this many seconds.
 const TIE_SECONDS: f64 = 0.002;
-/// KV usage above which a backend is penalized (it preempts soon).
-const KV_PRESSURE_FROM: f64 = 0.95;
+/// KV usage above which a backend is penalized: its new blocks evict cached prefixes, and
+/// preemptions come near full.
+const KV_PRESSURE_FROM: f64 = 0.8;
+/// A backend with fewer TTFTs than this is judged by the others' lines: a prior of its own,
+/// slower than the fleet really is, would keep it from ever being tried.
+const MIN_OBSERVATIONS: u64 = 8;
 
 pub struct Cost;
 
@@ -38,6 +44,23 @@ pub fn predicted_ttft(row: &CandidateRow, uncached: u64) -> f64 {
     ttft * (1.0 + pressure)
 }
 
+/// The mean line of the candidates that have learned theirs, if any has.
+fn pooled_line(rows: &[CandidateRow]) -> Option<PrefillLine> {
+    let learned: Vec<&PrefillLine> = rows
+        .iter()
+        .filter(|r| r.prefill_observations >= MIN_OBSERVATIONS)
+        .map(|r| &r.prefill)
+        .collect();
+    if learned.is_empty() || learned.len() == rows.len() {
+        return None;
+    }
+    let n = learned.len() as f64;
+    Some(PrefillLine {
+        overhead_s: learned.iter().map(|l| l.overhead_s).sum::<f64>() / n,
+        seconds_per_token: learned.iter().map(|l| l.seconds_per_token).sum::<f64>() / n,
+    })
+}
+
 impl Policy for Cost {
     fn name(&self) -> &'static str {
         "cost"
@@ -53,9 +76,22 @@ impl Policy for Cost {
             MatchFacts::Unavailable => (0, Some(Reason::StoreUnavailable)),
             MatchFacts::None => (0, Some(Reason::LeastLoaded)),
         };
+        let pooled = pooled_line(rows);
         let costs: Vec<f64> = rows
             .iter()
-            .map(|r| predicted_ttft(r, total.saturating_sub(r.matched_tokens)))
+            .map(|r| {
+                let uncached = total.saturating_sub(r.matched_tokens);
+                match pooled {
+                    Some(line) if r.prefill_observations < MIN_OBSERVATIONS => predicted_ttft(
+                        &CandidateRow {
+                            prefill: line,
+                            ..r.clone()
+                        },
+                        uncached,
+                    ),
+                    _ => predicted_ttft(r, uncached),
+                }
+            })
             .collect();
         // Cheapest first; equal costs by load, so the order's tail is sensible too.
         let mut order: Vec<usize> = (0..rows.len()).collect();
@@ -88,7 +124,6 @@ impl Policy for Cost {
 mod tests {
     use super::super::fixtures::{known, matched, plain, rows};
     use super::*;
-    use crate::core::prefill::PrefillLine;
 
     /// 10 ms + 10,000 tokens/s everywhere.
     fn line() -> PrefillLine {
@@ -173,6 +208,23 @@ mod tests {
         r[0].queued_prefill_tokens = 10;
         r[1].queued_prefill_tokens = 200;
         assert_eq!(Cost.choose(&r, &known(1000, 0)).order[0], 0);
+    }
+
+    #[test]
+    fn a_backend_that_has_not_learned_its_line_is_judged_by_the_others() {
+        // Two backends learned 50,000 tokens/s; the third still has the (slower) prior.
+        let mut r = fleet(3);
+        for row in &mut r[..2] {
+            row.prefill = PrefillLine {
+                overhead_s: 0.01,
+                seconds_per_token: 2e-5,
+            };
+            row.prefill_observations = 100;
+            row.queued_prefill_tokens = 400;
+        }
+        // Judged by its prior (10,000 tokens/s) it would never be tried; by the others' line,
+        // it is idle and as fast.
+        assert_eq!(Cost.choose(&r, &known(2000, 0)).order[0], 2);
     }
 
     #[test]

@@ -112,8 +112,10 @@ pub struct CandidateRow {
     pub reported_waiting: u64,
     /// Its KV cache's usage, 0..1, as it reports it.
     pub kv_usage: f64,
-    /// Its prefill speed as learned from its TTFTs.
+    /// Its prefill speed as learned from its TTFTs...
     pub prefill: crate::core::prefill::PrefillLine,
+    /// ... from this many of them.
+    pub prefill_observations: u64,
 }
 
 /// What the match sources said about a request.
