@@ -233,6 +233,9 @@ pub async fn exchange(
     };
     if streamed {
         let mut done = false;
+        // Chunks that carried text: the output tokens where the stream reports no usage (a
+        // request without `stream_options.include_usage`; vLLM streams a token a chunk).
+        let mut text_chunks = 0u64;
         for event in text.split("\n\n") {
             let Some(data) = event.trim().strip_prefix("data:") else {
                 continue;
@@ -258,8 +261,12 @@ pub async fn exchange(
             if let Some(c) = v["choices"].get(0) {
                 if let Some(t) = c["delta"]["content"].as_str().or(c["text"].as_str()) {
                     answer.push_str(t);
+                    text_chunks += u64::from(!t.is_empty());
                 }
             }
+        }
+        if sample.completion_tokens == 0 {
+            sample.completion_tokens = text_chunks;
         }
         if !done && sample.ok {
             sample.ok = false;

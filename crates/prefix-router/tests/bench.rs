@@ -148,3 +148,49 @@ async fn a_small_comparison_ranks_prefix_routing_above_round_robin() {
     sim.shutdown().await;
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// Streamed completions without `stream_options` report no usage: their output is counted by
+/// the chunks that carry text (it was 0 output tokens a second).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_completions_without_usage_count_their_output() {
+    let sim = vllm_sim::Fleet::start(
+        vllm_sim::SimConfig {
+            time_scale: 0.0,
+            ..vllm_sim::SimConfig::default()
+        },
+        1,
+        std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+    )
+    .await
+    .unwrap();
+    let url = sim.urls()[0].clone();
+    let trace = std::env::temp_dir().join(format!("stream-trace-{}.jsonl", std::process::id()));
+    let lines: Vec<String> = (0..3)
+        .map(|i| {
+            serde_json::json!({"t": 0.0, "endpoint": "completions", "body": {
+                "model": "sim-model", "prompt": format!("tell me {i}"), "max_tokens": 8,
+                "ignore_eos": true, "stream": true}})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&trace, lines.join("\n")).unwrap();
+    let run = Run::parse_from([
+        "run",
+        "--url",
+        &url,
+        "--workload",
+        "trace",
+        "--trace",
+        trace.to_str().unwrap(),
+    ])
+    .args;
+    let figures = prefix_bench::run_one(run).await.unwrap();
+    assert_eq!((figures.requests, figures.errors), (3, 0));
+    assert!(
+        figures.output_tps > 0.0,
+        "output {} tokens/s",
+        figures.output_tps
+    );
+    sim.shutdown().await;
+    let _ = std::fs::remove_file(trace);
+}
