@@ -1,6 +1,6 @@
 //! The load driver: sends a workload's requests at their arrival times and measures each.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -38,6 +38,11 @@ pub struct Sample {
     pub completion_tokens: u64,
     pub cached_tokens: u64,
     pub error: Option<String>,
+    /// Its `x-priority` and `x-tenant` headers, if it had them (overload workload).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub priority: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 /// Where requests go.
@@ -113,12 +118,18 @@ impl Shared {
     }
 
     /// Sends one request; returns its sample and the answer's text.
-    async fn send(&self, endpoint: Api, body: &Value) -> (Sample, String) {
+    async fn send(
+        &self,
+        endpoint: Api,
+        body: &Value,
+        headers: &BTreeMap<String, String>,
+    ) -> (Sample, String) {
         if self.record_sent {
             self.sent.lock().push(TraceItem {
                 t: Some(self.started.elapsed().as_secs_f64()),
                 endpoint,
                 body: body.clone(),
+                headers: headers.clone(),
             });
         }
         let (base, lease) = match &self.target {
@@ -131,10 +142,11 @@ impl Shared {
             }
         };
         let start = Instant::now();
-        let result = exchange(
+        let result = exchange_with(
             &self.client,
             &format!("{base}{}", endpoint.path()),
             body,
+            headers,
             start,
         )
         .await;
@@ -153,6 +165,8 @@ impl Shared {
             ),
         };
         sample.sent_at = start.duration_since(self.started).as_secs_f64();
+        sample.priority = headers.get("x-priority").cloned();
+        sample.tenant = headers.get("x-tenant").cloned();
         self.samples.lock().push(sample.clone());
         self.progress.inc(1);
         (sample, answer)
@@ -161,7 +175,16 @@ impl Shared {
     async fn run_job(&self, job: Job) {
         match job {
             Job::Single(item) => {
-                self.send(item.endpoint, &item.body).await;
+                self.send(item.endpoint, &item.body, &item.headers).await;
+            }
+            Job::Burst(items) => {
+                let start = tokio::time::Instant::now();
+                let sends = items.iter().map(|item| async move {
+                    let at = Duration::from_secs_f64(item.t.unwrap_or(0.0).max(0.0));
+                    tokio::time::sleep_until(start + at).await;
+                    self.send(item.endpoint, &item.body, &item.headers).await;
+                });
+                futures_util::future::join_all(sends).await;
             }
             Job::Conversation(mut conv) => {
                 for round in 0..conv.questions.len() {
@@ -169,7 +192,8 @@ impl Shared {
                         return;
                     }
                     let body = workload::turn_body(&self.args, &conv, round);
-                    let (sample, answer) = self.send(self.args.api, &body).await;
+                    let (sample, answer) =
+                        self.send(self.args.api, &body, &BTreeMap::new()).await;
                     if !sample.ok {
                         return;
                     }
@@ -190,12 +214,22 @@ pub async fn exchange(
     body: &Value,
     start: Instant,
 ) -> Result<(Sample, String), String> {
-    let resp = client
-        .post(url)
-        .json(body)
-        .send()
-        .await
-        .map_err(|e| e.to_string())?;
+    exchange_with(client, url, body, &BTreeMap::new(), start).await
+}
+
+/// [`exchange`] with request headers.
+pub async fn exchange_with(
+    client: &reqwest::Client,
+    url: &str,
+    body: &Value,
+    headers: &BTreeMap<String, String>,
+    start: Instant,
+) -> Result<(Sample, String), String> {
+    let mut request = client.post(url).json(body);
+    for (name, value) in headers {
+        request = request.header(name, value);
+    }
+    let resp = request.send().await.map_err(|e| e.to_string())?;
     let status = resp.status().as_u16();
     let streamed = resp
         .headers()
@@ -351,7 +385,7 @@ pub async fn drive(
                     .iter()
                     .map(|j| match j {
                         Job::Single(item) => item.t.unwrap_or(0.0),
-                        Job::Conversation(_) => 0.0,
+                        Job::Conversation(_) | Job::Burst(_) => 0.0,
                     })
                     .collect(),
             };

@@ -139,6 +139,13 @@ pub struct CompareArgs {
     pub balance_abs: u64,
     #[arg(long, default_value_t = 1.5)]
     pub balance_rel: f64,
+    /// The gateway-queue flags of the `+queue` systems.
+    #[arg(
+        long,
+        default_value = "--max-queue-wait 500ms --max-queued 100000",
+        allow_hyphen_values = true
+    )]
+    pub queue_args: String,
 }
 
 fn default_qps(kind: WorkloadKind) -> f64 {
@@ -146,14 +153,18 @@ fn default_qps(kind: WorkloadKind) -> f64 {
         WorkloadKind::SharedPrefix => 60.0,
         WorkloadKind::MultiTurn => 4.0,
         WorkloadKind::PrefixRepetition => 20.0,
-        WorkloadKind::Random | WorkloadKind::Trace => 40.0,
+        WorkloadKind::Random | WorkloadKind::Trace | WorkloadKind::Mooncake => 40.0,
+        WorkloadKind::Bursty => 4.0,
+        WorkloadKind::Overload => 20.0,
     }
 }
 
 fn arrivals(w: &WorkloadArgs, load: &LoadArgs) -> Arrivals {
     match (load.concurrency, w.workload) {
         (Some(c), _) => Arrivals::Closed(c),
-        (None, WorkloadKind::Trace) if load.qps.is_none() => Arrivals::Trace,
+        (None, WorkloadKind::Trace | WorkloadKind::Mooncake) if load.qps.is_none() => {
+            Arrivals::Trace
+        }
         (None, kind) => Arrivals::Poisson(load.qps.unwrap_or_else(|| default_qps(kind))),
     }
 }
@@ -382,6 +393,7 @@ async fn measure(
                     t: None,
                     endpoint: workload::Api::Chat,
                     body: probe_body(i % 4096),
+                    headers: Default::default(),
                 })
             })
             .collect();
@@ -473,6 +485,7 @@ pub async fn compare(
         cache_threshold: args.cache_threshold,
         balance_abs: args.balance_abs,
         balance_rel: args.balance_rel,
+        queue_args: args.queue_args.split_whitespace().map(str::to_owned).collect(),
     };
     let workload = workload_name(&args.workload);
     let mut results = Vec::new();
@@ -522,7 +535,11 @@ pub async fn compare(
         )?;
     }
     fleet.shutdown().await;
-    println!("{}", report::markdown(&results));
+    println!(
+        "{}{}",
+        report::markdown(&results),
+        report::classes_markdown(&results)
+    );
     println!("results in {}", args.out.display());
     Ok(results)
 }

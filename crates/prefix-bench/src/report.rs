@@ -52,6 +52,93 @@ pub struct Figures {
     pub max_rps: Option<f64>,
     /// CPU time of the router process(es) per request over the whole run.
     pub cpu_ms_per_request: Option<f64>,
+    /// By priority and by tenant, where requests carried them (the overload workload).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub classes: Vec<ClassFigures>,
+}
+
+/// The figures of one class of requests: one priority, or one tenant.
+#[derive(Clone, Debug, Serialize, Default)]
+pub struct ClassFigures {
+    /// `priority=1` or `tenant=tenant-0`.
+    pub class: String,
+    pub requests: usize,
+    pub errors: usize,
+    pub ttft_mean_ms: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p99_ms: f64,
+    /// Requests that ended while requests were still being sent, per second of that time:
+    /// the class's share of the fleet while everyone competed for it.
+    pub contended_rps: f64,
+}
+
+/// Figures by priority and by tenant.
+fn classes(samples: &[Sample]) -> Vec<ClassFigures> {
+    let window = samples.iter().map(|s| s.sent_at).fold(0.0, f64::max);
+    let mut keys: Vec<String> = samples
+        .iter()
+        .flat_map(|s| {
+            let p = s.priority.as_ref().map(|p| format!("priority={p}"));
+            let t = s.tenant.as_ref().map(|t| format!("tenant={t}"));
+            p.into_iter().chain(t)
+        })
+        .collect();
+    keys.sort();
+    keys.dedup();
+    keys.into_iter()
+        .map(|class| {
+            let of: Vec<&Sample> = samples
+                .iter()
+                .filter(|s| {
+                    s.priority.as_ref().map(|p| format!("priority={p}")).as_ref() == Some(&class)
+                        || s.tenant.as_ref().map(|t| format!("tenant={t}")).as_ref()
+                            == Some(&class)
+                })
+                .collect();
+            let ttft: Vec<f64> = of.iter().filter(|s| s.ok).map(|s| s.ttft * 1e3).collect();
+            let contended = of
+                .iter()
+                .filter(|s| s.ok && s.sent_at + s.e2e <= window)
+                .count();
+            ClassFigures {
+                requests: of.len(),
+                errors: of.iter().filter(|s| !s.ok).count(),
+                ttft_mean_ms: mean(&ttft),
+                ttft_p50_ms: percentile(&ttft, 50.0),
+                ttft_p99_ms: percentile(&ttft, 99.0),
+                contended_rps: contended as f64 / window.max(1e-9),
+                class,
+            }
+        })
+        .collect()
+}
+
+/// The per-class table of a comparison (empty when no request had a class).
+pub fn classes_markdown(results: &[SystemResult]) -> String {
+    let mut out = String::new();
+    for r in results {
+        let Some(f) = r.figures.as_ref().filter(|f| !f.classes.is_empty()) else {
+            continue;
+        };
+        if out.is_empty() {
+            out.push_str("\n| system | class | requests | errors | TTFT mean ms | TTFT p50 ms | TTFT p99 ms | contended req/s |\n|---|---|---|---|---|---|---|---|\n");
+        }
+        for c in &f.classes {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.2} |",
+                r.name,
+                c.class,
+                c.requests,
+                c.errors,
+                c.ttft_mean_ms,
+                c.ttft_p50_ms,
+                c.ttft_p99_ms,
+                c.contended_rps
+            );
+        }
+    }
+    out
 }
 
 /// Summarises a run's samples and the sims' counters over it.
@@ -90,6 +177,7 @@ pub fn figures(samples: &[Sample], counters: &Counters, wall_secs: f64) -> Figur
             0.0
         },
         errors: samples.len() - ok.len(),
+        classes: classes(samples),
         ..Figures::default()
     }
 }
@@ -268,7 +356,10 @@ pub fn write(dir: &Path, results: &[SystemResult], title: &str) -> anyhow::Resul
         dir.join("results.json"),
         serde_json::to_string_pretty(results)? + "\n",
     )?;
-    std::fs::write(dir.join("results.md"), markdown(results))?;
+    std::fs::write(
+        dir.join("results.md"),
+        markdown(results) + &classes_markdown(results),
+    )?;
     std::fs::write(dir.join("chart.svg"), svg_chart(results, title))?;
     Ok(())
 }
@@ -303,6 +394,41 @@ mod tests {
         assert_eq!(f.imbalance, 6.0 / 4.5);
         assert_eq!(f.throughput_rps, 4.5);
         assert_eq!(f.output_tps, 45.0);
+    }
+
+    #[test]
+    fn classes_split_by_priority_and_tenant() {
+        let sample = |priority: &str, tenant: &str, sent_at: f64, ttft: f64| Sample {
+            ok: true,
+            sent_at,
+            ttft,
+            e2e: ttft,
+            priority: Some(priority.into()),
+            tenant: Some(tenant.into()),
+            ..Sample::default()
+        };
+        let samples = [
+            sample("1", "a", 0.0, 0.1),
+            sample("0", "a", 1.0, 0.5),
+            sample("0", "b", 2.0, 0.3),
+            // Ends after the last send: not counted as contended throughput.
+            sample("0", "b", 4.0, 9.0),
+        ];
+        let c = classes(&samples);
+        let names: Vec<&str> = c.iter().map(|c| c.class.as_str()).collect();
+        assert_eq!(names, ["priority=0", "priority=1", "tenant=a", "tenant=b"]);
+        assert_eq!(c[0].requests, 3);
+        assert_eq!(c[1].ttft_mean_ms, 100.0);
+        assert_eq!(c[3].contended_rps, 1.0 / 4.0);
+        assert!(classes_markdown(&[SystemResult {
+            name: "x".into(),
+            figures: Some(Figures {
+                classes: c,
+                ..Figures::default()
+            }),
+            ..SystemResult::default()
+        }])
+        .contains("| x | tenant=b | 2 |"));
     }
 
     #[test]

@@ -26,13 +26,14 @@ pub enum System {
     PrefixLoadEventsReplicas,
     Cost,
     CostEvents,
+    CostQueue,
     Oracle,
     SglangRouter,
     Smg,
     VllmRouter,
 }
 
-pub const ALL: [System; 16] = [
+pub const ALL: [System; 17] = [
     System::RoundRobin,
     System::LeastLoaded,
     System::Prefix,
@@ -45,6 +46,7 @@ pub const ALL: [System; 16] = [
     System::PrefixLoadEventsReplicas,
     System::Cost,
     System::CostEvents,
+    System::CostQueue,
     System::Oracle,
     System::SglangRouter,
     System::Smg,
@@ -66,6 +68,7 @@ impl System {
             System::PrefixLoadEventsReplicas => "prefix_load+events+replicas",
             System::Cost => "cost",
             System::CostEvents => "cost+events",
+            System::CostQueue => "cost+queue",
             System::Oracle => "oracle",
             System::SglangRouter => "sglang-router",
             System::Smg => "smg",
@@ -124,6 +127,8 @@ pub struct LaunchContext {
     pub cache_threshold: f64,
     pub balance_abs: u64,
     pub balance_rel: f64,
+    /// The gateway-queue flags of the `+queue` systems.
+    pub queue_args: Vec<String>,
 }
 
 /// A running system.
@@ -486,9 +491,13 @@ impl LaunchContext {
                     children.push(child);
                 }
             }
-            System::CostEvents => {
+            System::CostEvents | System::CostQueue => {
+                let (extra, events) = match system {
+                    System::CostQueue => (self.queue_args.as_slice(), false),
+                    _ => (&[][..], true),
+                };
                 let (url, child) = self
-                    .router(client, system.name(), "cost", &[], true)
+                    .router(client, system.name(), "cost", extra, events)
                     .await?;
                 router_pids.extend(child.id());
                 urls.push(url);

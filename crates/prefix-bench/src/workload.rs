@@ -24,6 +24,16 @@ pub enum WorkloadKind {
     Random,
     /// Replays a JSONL trace (`--trace FILE`).
     Trace,
+    /// Replays a Mooncake trace (`--trace FILE`: `timestamp` ms, `input_length`,
+    /// `output_length`, `hash_ids` of 512-token blocks; equal ids are equal text).
+    Mooncake,
+    /// Agents fanning out: bursts of `--burst` siblings under one long prefix, arriving within
+    /// `--burst-spread-ms`.
+    Bursty,
+    /// Random prompts with two priorities (`--high-share` of them high, `x-priority: 1`) from
+    /// `--tenants` tenants (`x-tenant`; the first sends half of them): run it above the fleet's
+    /// capacity.
+    Overload,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
@@ -108,19 +118,51 @@ pub struct WorkloadArgs {
     /// random: prompt tokens.
     #[arg(long, default_value_t = 1024)]
     pub input_len: usize,
-    /// random: requests in the workload.
+    /// random and overload: requests in the workload.
     #[arg(long, default_value_t = 1024)]
     pub random_count: usize,
+    /// mooncake: time runs this many times faster than the trace's.
+    #[arg(long, default_value_t = 1.0)]
+    pub speedup: f64,
+    /// bursty: siblings per burst.
+    #[arg(long, default_value_t = 8)]
+    pub burst: usize,
+    /// bursty: the siblings of a burst arrive within this many milliseconds.
+    #[arg(long, default_value_t = 5.0)]
+    pub burst_spread_ms: f64,
+    /// overload: tenants.
+    #[arg(long, default_value_t = 4)]
+    pub tenants: usize,
+    /// overload: the share of high-priority requests.
+    #[arg(long, default_value_t = 0.2)]
+    pub high_share: f64,
+}
+
+/// Tokens of one Mooncake hash id.
+pub const MOONCAKE_BLOCK_TOKENS: usize = 512;
+
+/// One line of a Mooncake trace.
+#[derive(Clone, Debug, Deserialize)]
+pub struct MooncakeLine {
+    /// Milliseconds from the trace's start.
+    pub timestamp: f64,
+    pub input_length: usize,
+    pub output_length: usize,
+    pub hash_ids: Vec<u64>,
 }
 
 /// One request of a workload.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct TraceItem {
-    /// Seconds from the start (traces); generated workloads get Poisson times.
+    /// Seconds from the start (traces); generated workloads get Poisson times. In a burst:
+    /// from the burst's start.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub t: Option<f64>,
     pub endpoint: Api,
     pub body: Value,
+    /// Request headers (`x-priority`, `x-tenant`).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub headers: std::collections::BTreeMap<String, String>,
 }
 
 /// A conversation of the multi-turn workload: its later turns depend on the answers.
@@ -136,6 +178,8 @@ pub struct Conversation {
 pub enum Job {
     Single(TraceItem),
     Conversation(Conversation),
+    /// Requests sent together, each `t` seconds after the burst's start.
+    Burst(Vec<TraceItem>),
 }
 
 impl Job {
@@ -144,6 +188,7 @@ impl Job {
         match self {
             Job::Single(_) => 1,
             Job::Conversation(c) => c.questions.len(),
+            Job::Burst(items) => items.len(),
         }
     }
 }
@@ -208,13 +253,13 @@ fn shuffle<T>(items: &mut [T], seed: u64) {
 /// The workload's jobs, in arrival order.
 pub fn jobs(args: &WorkloadArgs) -> anyhow::Result<Vec<Job>> {
     let seed = args.seed;
-    let single = |body: Value| {
-        Job::Single(TraceItem {
-            t: None,
-            endpoint: args.api,
-            body,
-        })
+    let item = |body: Value| TraceItem {
+        t: None,
+        endpoint: args.api,
+        body,
+        headers: Default::default(),
     };
+    let single = |body: Value| Job::Single(item(body));
     Ok(match args.workload {
         WorkloadKind::SharedPrefix => {
             let mut jobs = Vec::with_capacity(args.groups * args.prompts_per_group);
@@ -273,7 +318,96 @@ pub fn jobs(args: &WorkloadArgs) -> anyhow::Result<Vec<Job>> {
                 .ok_or_else(|| anyhow::anyhow!("--workload trace needs --trace FILE"))?;
             read_trace(path)?.into_iter().map(Job::Single).collect()
         }
+        WorkloadKind::Mooncake => {
+            let path = args
+                .trace
+                .as_ref()
+                .ok_or_else(|| anyhow::anyhow!("--workload mooncake needs --trace FILE"))?;
+            anyhow::ensure!(args.speedup > 0.0, "--speedup must be positive");
+            let mut blocks = std::collections::HashMap::new();
+            read_mooncake(path)?
+                .into_iter()
+                .map(|line| {
+                    let prompt = mooncake_prompt(&line, seed, &mut blocks);
+                    Job::Single(TraceItem {
+                        t: Some(line.timestamp / 1000.0 / args.speedup),
+                        ..item(body(args, "", &prompt, line.output_length.max(1)))
+                    })
+                })
+                .collect()
+        }
+        WorkloadKind::Bursty => (0..args.groups as u64)
+            .map(|g| {
+                let system = text(seed ^ (g << 20) ^ 0xB0B5, args.system_len);
+                let n = args.burst.max(1);
+                Job::Burst(
+                    (0..n as u64)
+                        .map(|s| {
+                            let question =
+                                text(seed ^ (g << 20) ^ (s + 1) << 40, args.question_len);
+                            TraceItem {
+                                t: Some(args.burst_spread_ms / 1e3 * s as f64 / n as f64),
+                                ..item(body(args, &system, &question, args.output_len))
+                            }
+                        })
+                        .collect(),
+                )
+            })
+            .collect(),
+        WorkloadKind::Overload => (0..args.random_count as u64)
+            .map(|i| {
+                let prompt = text(seed ^ (i + 1) << 32 ^ 0x0E, args.input_len);
+                let roll = |salt: u64| {
+                    (splitmix(seed ^ i ^ salt) >> 11) as f64 / (1u64 << 53) as f64
+                };
+                let high = roll(0x41) < args.high_share;
+                // The first tenant sends half of the requests, the others share the rest.
+                let tenants = args.tenants.max(1);
+                let tenant = if tenants == 1 || roll(0x7E) < 0.5 {
+                    0
+                } else {
+                    1 + (splitmix(seed ^ i ^ 0x7F) % (tenants as u64 - 1)) as usize
+                };
+                let mut it = item(body(args, "", &prompt, args.output_len));
+                it.headers
+                    .insert("x-priority".into(), u8::from(high).to_string());
+                it.headers
+                    .insert("x-tenant".into(), format!("tenant-{tenant}"));
+                Job::Single(it)
+            })
+            .collect(),
     })
+}
+
+/// A Mooncake request's prompt: the text of each hash id (the same for equal ids), cut to
+/// its input length.
+fn mooncake_prompt(
+    line: &MooncakeLine,
+    seed: u64,
+    blocks: &mut std::collections::HashMap<u64, String>,
+) -> String {
+    let bytes = line.input_length * BYTES_PER_TOKEN;
+    let mut prompt = String::with_capacity(bytes);
+    for id in &line.hash_ids {
+        if prompt.len() >= bytes {
+            break;
+        }
+        let block = blocks
+            .entry(*id)
+            .or_insert_with(|| text(seed ^ splitmix(*id ^ 0x4D00), MOONCAKE_BLOCK_TOKENS));
+        prompt.push_str(block);
+    }
+    // A trace whose ids cover less than its length: the rest is this request's own.
+    if prompt.len() < bytes {
+        let own = text(seed ^ splitmix(line.timestamp.to_bits()) ^ 0x0D, line.input_length);
+        prompt.push_str(&own[..bytes - prompt.len()]);
+    }
+    prompt.truncate(bytes);
+    prompt
+}
+
+pub fn read_mooncake(path: &Path) -> anyhow::Result<Vec<MooncakeLine>> {
+    read_jsonl(path)
 }
 
 /// The body of turn `round` of a conversation (its messages so far plus the next question).
@@ -308,6 +442,11 @@ pub fn turn_body(args: &WorkloadArgs, conv: &Conversation, round: usize) -> Valu
 }
 
 pub fn read_trace(path: &Path) -> anyhow::Result<Vec<TraceItem>> {
+    read_jsonl(path)
+}
+
+/// The lines of a JSONL file (blank lines skipped), each parsed as a `T`.
+fn read_jsonl<T: serde::de::DeserializeOwned>(path: &Path) -> anyhow::Result<Vec<T>> {
     let file = std::fs::File::open(path)
         .map_err(|e| anyhow::anyhow!("cannot open trace {}: {e}", path.display()))?;
     std::io::BufReader::new(file)
@@ -315,8 +454,7 @@ pub fn read_trace(path: &Path) -> anyhow::Result<Vec<TraceItem>> {
         .enumerate()
         .filter(|(_, l)| l.as_ref().map_or(true, |l| !l.trim().is_empty()))
         .map(|(i, line)| {
-            let line = line?;
-            serde_json::from_str(&line)
+            serde_json::from_str(&line?)
                 .map_err(|e| anyhow::anyhow!("{} line {}: {e}", path.display(), i + 1))
         })
         .collect()

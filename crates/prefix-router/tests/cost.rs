@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{fleet, metric, metrics_text, router, series};
+use common::{fleet, metric, metrics_text, router, series, text};
 use serde_json::json;
 use vllm_sim::SimConfig;
 
@@ -15,21 +15,6 @@ fn timed(tokens_per_s: f64) -> SimConfig {
         itl_ms: 1.0,
         ..SimConfig::default()
     }
-}
-
-/// Distinct text of about `bytes` bytes (the sims' byte model: 4 bytes a token).
-fn text(seed: u64, bytes: usize) -> String {
-    let mut s = String::with_capacity(bytes + 16);
-    let mut x = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    while s.len() < bytes {
-        x = x
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        s.push_str(&format!("w{} ", x >> 40));
-    }
-    s
 }
 
 async fn stream(url: &str, prompt: String) {

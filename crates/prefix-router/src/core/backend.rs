@@ -308,6 +308,8 @@ pub struct InflightGuard {
     uncached: u64,
     sent: std::time::Instant,
     on_first_byte: Option<OnFirstByte>,
+    /// The gateway queue's dispatcher, told when this request's load eases.
+    load_eased: Option<Arc<tokio::sync::Notify>>,
 }
 
 impl InflightGuard {
@@ -322,7 +324,14 @@ impl InflightGuard {
             uncached,
             sent: std::time::Instant::now(),
             on_first_byte: None,
+            load_eased: None,
         }
+    }
+
+    /// `notify` (the gateway queue's dispatcher) hears when this request's load eases: its
+    /// first byte, its end.
+    pub fn tell_when_load_eases(&mut self, notify: Option<Arc<tokio::sync::Notify>>) {
+        self.load_eased = notify;
     }
 
     /// `f` gets the time to the first byte, if it comes (not when the request fails first).
@@ -345,6 +354,13 @@ impl InflightGuard {
         self.backend
             .queued_prefill_tokens
             .fetch_sub(self.uncached, Relaxed);
+        self.tell_load_eased();
+    }
+
+    fn tell_load_eased(&self) {
+        if let Some(n) = &self.load_eased {
+            n.notify_one();
+        }
     }
 
     pub fn backend(&self) -> &Arc<Backend> {
@@ -359,6 +375,7 @@ impl Drop for InflightGuard {
             self.leave_prefill_queue();
         }
         self.backend.inflight.fetch_sub(1, Relaxed);
+        self.tell_load_eased();
     }
 }
 

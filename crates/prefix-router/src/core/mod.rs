@@ -6,6 +6,7 @@
 //! keeps the fleet's state transitions that touch the index (a backend leaving, failing,
 //! coming back) in one place, for the monitor and discovery to call.
 
+pub mod admission;
 pub mod backend;
 pub mod events;
 pub mod matches;
@@ -167,6 +168,16 @@ impl Core {
             }
         }
         out
+    }
+
+    /// Whether every healthy backend serving `model` is saturated (the gateway queue holds
+    /// its requests then). With none healthy, no: the request is refused at once instead.
+    pub fn saturated(&self, model: Option<&str>, settings: &admission::AdmissionSettings) -> bool {
+        let candidates = self.candidates(model).backends;
+        !candidates.is_empty()
+            && candidates
+                .iter()
+                .all(|b| admission::saturated(&b.row(), settings))
     }
 
     /// Orders `candidates` (not empty) for a request by the configured policy, asking the

@@ -135,6 +135,8 @@ pub struct ServeArgs {
     pub access: crate::access::AccessArgs,
     #[command(flatten)]
     pub limits: crate::server::ServerLimits,
+    #[command(flatten)]
+    pub queue: QueueArgs,
 
     /// Where backends come from: `static` (flags and config file) or `k8s` (pods, plus any
     /// static ones).
@@ -201,6 +203,42 @@ struct FileBackend {
 struct Wrapper {
     #[command(flatten)]
     args: ServeArgs,
+}
+
+/// The gateway queue (flow control): off unless a saturation bound is set.
+#[derive(clap::Args, Debug, Clone)]
+pub struct QueueArgs {
+    /// Hold requests at the router while every backend for their model would make them wait
+    /// longer than this before their prefill starts (predicted from the prefill queued there
+    /// and the backend's learned prefill speed). Turns the queue on.
+    #[arg(long, env = "PREFIX_ROUTER_MAX_QUEUE_WAIT", value_parser = crate::duration::parse)]
+    pub max_queue_wait: Option<Duration>,
+    /// Also hold them while every backend reports at least this many waiting requests
+    /// (`vllm:num_requests_waiting`, or this router's requests without a first byte). Turns the
+    /// queue on.
+    #[arg(long, env = "PREFIX_ROUTER_QUEUE_WHEN_WAITING")]
+    pub queue_when_waiting: Option<u64>,
+    /// Requests held at once; one more gets 429 with `Retry-After`.
+    #[arg(long, env = "PREFIX_ROUTER_MAX_QUEUED", default_value_t = 1000)]
+    pub max_queued: usize,
+    /// Longest stay in the queue; then 503 with `Retry-After`.
+    #[arg(long, env = "PREFIX_ROUTER_QUEUE_TIMEOUT", default_value = "60s", value_parser = crate::duration::parse)]
+    pub queue_timeout: Duration,
+    /// Header naming a request's tenant (tenants of one priority take turns in the queue);
+    /// without it, the request's bearer token stands for its tenant.
+    #[arg(long, env = "PREFIX_ROUTER_TENANT_HEADER", default_value = "x-tenant")]
+    pub tenant_header: String,
+}
+
+impl QueueArgs {
+    pub fn settings(&self) -> crate::core::admission::AdmissionSettings {
+        crate::core::admission::AdmissionSettings {
+            max_wait: self.max_queue_wait,
+            max_waiting: self.queue_when_waiting,
+            max_queued: self.max_queued,
+            timeout: self.queue_timeout,
+        }
+    }
 }
 
 impl ServeArgs {

@@ -32,6 +32,7 @@ pub use crate::core::backend;
 use crate::core::matches::StringIndex;
 pub use crate::core::policy;
 use crate::core::policy::PolicySettings;
+use crate::core::admission::Admission;
 use crate::core::{Core, CoreSettings};
 use crate::http_metrics;
 use crate::server::{self, Running};
@@ -52,6 +53,8 @@ pub struct GatewaySettings {
     pub upstream_timeout: Duration,
     /// Proxied requests in flight at once (`--max-concurrent`).
     pub max_concurrent: usize,
+    /// Names a request's tenant for the gateway queue.
+    pub tenant_header: HeaderName,
 }
 
 /// The HTTP front end's state: the core it asks, and what it needs of its own.
@@ -62,6 +65,8 @@ pub struct Gateway {
     pub client: HttpClient,
     pub settings: GatewaySettings,
     pub monitor: Monitor,
+    /// The gateway queue, when a saturation bound is set.
+    pub admission: Option<Arc<Admission>>,
     metrics: Arc<GatewayMetrics>,
     /// Every component's metrics, registered once at build.
     registry: Registry,
@@ -96,13 +101,12 @@ async fn open_store(args: &ServeArgs) -> anyhow::Result<(Arc<dyn PrefixStore>, b
 /// Builds the gateway from resolved arguments (without starting its background tasks).
 pub async fn gateway(args: &ServeArgs) -> anyhow::Result<Arc<Gateway>> {
     let (store, inline_notify) = open_store(args).await?;
-    let session_header =
-        HeaderName::try_from(args.session_header.to_ascii_lowercase()).map_err(|_| {
-            anyhow::anyhow!(
-                "--session-header {:?} is not a valid header name",
-                args.session_header
-            )
-        })?;
+    let header_name = |flag: &str, name: &str| {
+        HeaderName::try_from(name.to_ascii_lowercase())
+            .map_err(|_| anyhow::anyhow!("{flag} {name:?} is not a valid header name"))
+    };
+    let session_header = header_name("--session-header", &args.session_header)?;
+    let tenant_header = header_name("--tenant-header", &args.queue.tenant_header)?;
     let mut registry = Registry::default();
     let strings = StringIndex::new(
         store,
@@ -161,7 +165,20 @@ pub async fn gateway(args: &ServeArgs) -> anyhow::Result<Arc<Gateway>> {
         },
     };
     monitor.apply(&args.backend_specs()?).await?;
+    let queue = args.queue.settings();
+    let admission = queue.enabled().then(|| {
+        let weak = Arc::downgrade(&core);
+        Admission::start(
+            queue,
+            Box::new(move |model, settings| {
+                weak.upgrade()
+                    .is_some_and(|core| core.saturated(model, settings))
+            }),
+            &mut registry,
+        )
+    });
     Ok(Arc::new(Gateway {
+        admission,
         core,
         tokenizers,
         client,
@@ -172,6 +189,7 @@ pub async fn gateway(args: &ServeArgs) -> anyhow::Result<Arc<Gateway>> {
             session_header,
             upstream_timeout: args.upstream_timeout,
             max_concurrent: args.limits.max_concurrent,
+            tenant_header,
         },
         monitor,
         metrics,

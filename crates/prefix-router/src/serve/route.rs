@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::Request;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 
 use super::metrics::{model_label, FallbackLabels, Label, RequestLabels, UNKNOWN_MODEL};
@@ -15,6 +15,7 @@ use super::proxy;
 use super::request_string::{self, Endpoint, InvalidRequest};
 use super::Gateway;
 use crate::api_error::ApiError;
+use crate::core::admission::{Permit, Refused, Ticket};
 use crate::core::backend::{Backend, InflightGuard};
 use crate::core::matches::PromptKey;
 use crate::core::RequestInput;
@@ -30,10 +31,71 @@ fn bad_gateway(why: impl std::fmt::Display) -> Response {
     ApiError::new(StatusCode::BAD_GATEWAY, format!("backend failure: {why}")).into_response()
 }
 
+/// Priorities a request may ask for in `x-priority` (a small range keeps the queue's metric
+/// series bounded).
+const PRIORITIES: std::ops::RangeInclusive<i32> = -100..=100;
+
+/// The request's priority (`x-priority`, higher first; 0 without one).
+fn priority(headers: &HeaderMap) -> Result<i32, ApiError> {
+    let Some(value) = headers.get("x-priority") else {
+        return Ok(0);
+    };
+    value
+        .to_str()
+        .ok()
+        .and_then(|v| v.trim().parse::<i32>().ok())
+        .filter(|p| PRIORITIES.contains(p))
+        .ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "x-priority must be an integer from {} to {}",
+                PRIORITIES.start(),
+                PRIORITIES.end()
+            ))
+        })
+}
+
+/// The request's tenant for the queue's turns: the tenant header, else its bearer token (as a
+/// hash: the queue never holds a key), else everyone without either is one tenant.
+fn tenant(headers: &HeaderMap, tenant_header: &HeaderName) -> u64 {
+    let named = headers.get(tenant_header).map(|v| (1u8, v));
+    let keyed = || headers.get(axum::http::header::AUTHORIZATION).map(|v| (2u8, v));
+    match named.or_else(keyed) {
+        Some((kind, v)) => xxhash_rust::xxh3::xxh3_64_with_seed(v.as_bytes(), kind as u64),
+        None => 0,
+    }
+}
+
+/// A request the queue did not admit: 429 (full) or 503 (waited too long), with the time after
+/// which a retry is likely to find room.
+fn refused(r: Refused) -> Response {
+    let (status, message, retry_after) = match r {
+        Refused::Full { retry_after } => (
+            StatusCode::TOO_MANY_REQUESTS,
+            "every backend is saturated and the router's queue is full; retry later",
+            retry_after,
+        ),
+        Refused::TimedOut { retry_after } => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "every backend stayed saturated for as long as the router queues a request; retry later",
+            retry_after,
+        ),
+    };
+    let mut response = ApiError::new(status, message).into_response();
+    response.headers_mut().insert(
+        axum::http::header::RETRY_AFTER,
+        HeaderValue::from(retry_after.as_secs().max(1)),
+    );
+    response
+}
+
 /// The request path of every proxied endpoint.
 pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Response {
     let received = Instant::now();
     let (parts, body) = req.into_parts();
+    let priority = match priority(&parts.headers) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
     let body = match read_body(body, gw.settings.max_body).await {
         Ok(b) => b,
         Err(e) => return e.into_response(),
@@ -65,6 +127,22 @@ pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Respon
             .into_response(),
         };
     }
+    // Held here while the fleet is saturated; matched and routed once let go, on the state
+    // it will meet.
+    let permit = match &gw.admission {
+        Some(admission) => {
+            let ticket = Ticket {
+                priority,
+                tenant: tenant(&parts.headers, &gw.settings.tenant_header),
+                model: known.then(|| model.clone()),
+            };
+            match admission.admit(ticket).await {
+                Ok(permit) => permit,
+                Err(r) => return refused(r),
+            }
+        }
+        None => Permit::free(),
+    };
     let prompt = (gw.core.uses_prefixes() && endpoint != Endpoint::Other)
         .then(|| gw.core.strings.key(&routing.text));
     let tokens = if gw.core.events.is_some() && gw.core.uses_prefixes() {
@@ -99,6 +177,7 @@ pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Respon
             text_bytes: routing.text.len() as u64,
             received,
             model,
+            permit,
         },
         decision.order,
         &decision.uncached,
@@ -154,6 +233,8 @@ struct Outgoing {
     received: Instant,
     /// The metric label of its model.
     model: Arc<str>,
+    /// Its admission: used up once the request is counted against a backend.
+    permit: Permit,
 }
 
 /// Sends the request to the first backend of `order`, moving on after a connection error or a
@@ -179,7 +260,10 @@ async fn forward(
         text_bytes,
         received,
         model,
+        permit,
     } = req;
+    let load_eased = permit.waker();
+    let mut permit = Some(permit);
     let request_id = proxy::request_id(&parts.headers);
     let mut headers = parts.headers;
     headers.insert("x-request-id", request_id.clone());
@@ -208,6 +292,9 @@ async fn forward(
         });
         let row = backend.row();
         let mut guard = InflightGuard::new(backend.clone(), uncached);
+        guard.tell_when_load_eases(load_eased.clone());
+        // Counted against a backend now: the queue may release the next request.
+        drop(permit.take());
         if stream {
             // Its TTFT teaches the backend's prefill line, and says how right the line was.
             let work = crate::core::policy::prefill_work(&row, uncached);

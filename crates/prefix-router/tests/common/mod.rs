@@ -93,4 +93,19 @@ where
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
 }
+/// Distinct text of about `bytes` bytes (the sims' byte model: 4 bytes a token).
+pub fn text(seed: u64, bytes: usize) -> String {
+    let mut s = String::with_capacity(bytes + 16);
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    while s.len() < bytes {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        s.push_str(&format!("w{} ", x >> 40));
+    }
+    s
+}
+
 pub mod vllm;

@@ -1,0 +1,663 @@
+//! The gateway queue (flow control): when every backend that could serve a request is
+//! saturated, the request waits here instead of in vLLM's own queue, where it would be served
+//! in arrival order whatever its priority and whoever sent it.
+//!
+//! It sits before the decision: a request leaves the queue when some backend for its model has
+//! room again, and only then is it matched and routed, so its choice is made on the state it
+//! will meet. Requests leave by priority (highest first), fairly between the tenants of one
+//! priority (they take turns, one request each), and first in first out within a tenant. One
+//! released request at a time is "in transit" (released, not yet counted against a backend),
+//! so a backend that frees one slot does not receive the whole queue.
+//!
+//! Nothing is lost or duplicated: a waiter that leaves (client gone, queue timeout) removes
+//! itself; a release sent to a waiter that has just left is handed to the next one.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use tokio::sync::{oneshot, Notify};
+
+use super::policy::{predicted_ttft, CandidateRow};
+
+/// When a backend counts as saturated, and how much the queue may hold.
+#[derive(Clone, Debug)]
+pub struct AdmissionSettings {
+    /// A backend whose predicted wait (the prefill queued ahead of a new request, through its
+    /// learned prefill line) is above this is saturated.
+    pub max_wait: Option<Duration>,
+    /// A backend that reports at least this many waiting requests is saturated.
+    pub max_waiting: Option<u64>,
+    /// Requests held at once; one more is refused (429).
+    pub max_queued: usize,
+    /// Longest stay in the queue; then the request is refused (503).
+    pub timeout: Duration,
+}
+
+impl AdmissionSettings {
+    /// Whether any bound is set (without one nothing is ever held).
+    pub fn enabled(&self) -> bool {
+        self.max_wait.is_some() || self.max_waiting.is_some()
+    }
+}
+
+/// Whether `row`'s backend has no room for more work now.
+pub fn saturated(row: &CandidateRow, settings: &AdmissionSettings) -> bool {
+    let waiting = settings
+        .max_waiting
+        .is_some_and(|n| row.reported_waiting.max(row.waiting_first_byte) >= n);
+    let slow = settings
+        .max_wait
+        .is_some_and(|bound| predicted_ttft(row, 0) > bound.as_secs_f64());
+    waiting || slow
+}
+
+/// Who asks, and for what.
+#[derive(Clone, Debug)]
+pub struct Ticket {
+    /// Higher goes first.
+    pub priority: i32,
+    /// Requests of one tenant are served in order; tenants of one priority take turns.
+    pub tenant: u64,
+    /// The model it asks for (saturation is judged among the backends serving it).
+    pub model: Option<Arc<str>>,
+}
+
+/// Why a request was not admitted.
+#[derive(Debug, PartialEq)]
+pub enum Refused {
+    /// The queue holds `--max-queued` requests.
+    Full { retry_after: Duration },
+    /// It waited `--queue-timeout` without room freeing up.
+    TimedOut { retry_after: Duration },
+}
+
+/// Room for one request. Drop it once the request is counted against a backend (its
+/// [`super::backend::InflightGuard`] exists): until then it holds the queue's one in-transit
+/// place.
+pub struct Permit {
+    admission: Option<Arc<Admission>>,
+}
+
+impl Permit {
+    /// A permit that holds nothing (admission off).
+    pub fn free() -> Self {
+        Self { admission: None }
+    }
+
+    /// What to tell when the backend's load eases (the queue's dispatcher), if anything.
+    pub fn waker(&self) -> Option<Arc<Notify>> {
+        self.admission.as_ref().map(|a| a.wake.clone())
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if let Some(a) = self.admission.take() {
+            a.in_transit.fetch_sub(1, Relaxed);
+            a.wake.notify_one();
+        }
+    }
+}
+
+/// Decides, for the queue, whether a model's backends are all saturated.
+pub type SaturationCheck = Box<dyn Fn(Option<&str>, &AdmissionSettings) -> bool + Send + Sync>;
+
+struct Waiter {
+    id: u64,
+    model: Option<Arc<str>>,
+    tx: oneshot::Sender<Permit>,
+}
+
+#[derive(Default)]
+struct Level {
+    /// Tenants with waiting requests, in the order they are served next.
+    tenants: VecDeque<(u64, VecDeque<Waiter>)>,
+}
+
+#[derive(Default)]
+struct Queue {
+    /// By priority; the highest is served first.
+    levels: BTreeMap<i32, Level>,
+    next_id: u64,
+}
+
+impl Queue {
+    fn push(&mut self, ticket: &Ticket, tx: oneshot::Sender<Permit>) -> u64 {
+        self.next_id += 1;
+        let waiter = Waiter {
+            id: self.next_id,
+            model: ticket.model.clone(),
+            tx,
+        };
+        let level = self.levels.entry(ticket.priority).or_default();
+        match level.tenants.iter_mut().find(|(t, _)| *t == ticket.tenant) {
+            Some((_, waiters)) => waiters.push_back(waiter),
+            None => level
+                .tenants
+                .push_back((ticket.tenant, VecDeque::from([waiter]))),
+        }
+        self.next_id
+    }
+
+    /// Removes a waiter that left; false if it was no longer here (released just now).
+    fn remove(&mut self, ticket: &Ticket, id: u64) -> bool {
+        let Some(level) = self.levels.get_mut(&ticket.priority) else {
+            return false;
+        };
+        let Some(t) = level.tenants.iter().position(|(t, _)| *t == ticket.tenant) else {
+            return false;
+        };
+        let waiters = &mut level.tenants[t].1;
+        let Some(w) = waiters.iter().position(|w| w.id == id) else {
+            return false;
+        };
+        waiters.remove(w);
+        if waiters.is_empty() {
+            level.tenants.remove(t);
+            if level.tenants.is_empty() {
+                self.levels.remove(&ticket.priority);
+            }
+        }
+        true
+    }
+
+    /// Takes the next waiter whose model has room: highest priority first, the tenant whose
+    /// turn it is, its oldest request for a model with room. The tenant goes to the back.
+    fn next(&mut self, mut has_room: impl FnMut(Option<&str>) -> bool) -> Option<(i32, Waiter)> {
+        let mut found = None;
+        'levels: for (&priority, level) in self.levels.iter_mut().rev() {
+            for t in 0..level.tenants.len() {
+                let waiters = &level.tenants[t].1;
+                if let Some(w) = waiters.iter().position(|w| has_room(w.model.as_deref())) {
+                    found = Some((priority, t, w));
+                    break 'levels;
+                }
+            }
+        }
+        let (priority, t, w) = found?;
+        let level = self.levels.get_mut(&priority)?;
+        let (tenant, mut waiters) = level.tenants.remove(t)?;
+        let waiter = waiters.remove(w)?;
+        if !waiters.is_empty() {
+            level.tenants.push_back((tenant, waiters));
+        } else if level.tenants.is_empty() {
+            self.levels.remove(&priority);
+        }
+        Some((priority, waiter))
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PriorityLabels {
+    priority: i32,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AdmittedLabels {
+    priority: i32,
+    /// `direct` (room at once) or `queued`.
+    path: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LeftLabels {
+    priority: i32,
+    /// `full` (429), `timeout` (503) or `cancelled` (the client left while queued).
+    reason: &'static str,
+}
+
+struct AdmissionMetrics {
+    depth: Family<PriorityLabels, Gauge>,
+    wait: Family<PriorityLabels, Histogram>,
+    admitted: Family<AdmittedLabels, Counter>,
+    left: Family<LeftLabels, Counter>,
+}
+
+impl AdmissionMetrics {
+    fn register(r: &mut Registry) -> Self {
+        let m = Self {
+            depth: Family::default(),
+            wait: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.005, 2.0, 14))),
+            admitted: Family::default(),
+            left: Family::default(),
+        };
+        r.register(
+            "prefix_router_queue_depth",
+            "Requests held in the gateway queue, by priority",
+            m.depth.clone(),
+        );
+        r.register(
+            "prefix_router_queue_wait_seconds",
+            "Time queued requests waited before release, by priority",
+            m.wait.clone(),
+        );
+        r.register(
+            "prefix_router_queue_admitted",
+            "Requests admitted, at once (direct) or after waiting (queued)",
+            m.admitted.clone(),
+        );
+        r.register(
+            "prefix_router_queue_refused",
+            "Requests that left without being admitted: queue full (429), queue timeout (503), client gone",
+            m.left.clone(),
+        );
+        m
+    }
+}
+
+/// The gateway queue.
+pub struct Admission {
+    settings: AdmissionSettings,
+    queue: Mutex<Queue>,
+    /// Requests in the queue (read without the lock on the fast path).
+    depth: AtomicUsize,
+    /// Released requests not yet counted against a backend.
+    in_transit: AtomicUsize,
+    /// Told whenever room may have freed: a first byte, a finished request, a permit used.
+    wake: Arc<Notify>,
+    saturated: SaturationCheck,
+    /// Exponentially weighted mean wait of released requests, in µs (for `Retry-After`).
+    mean_wait_us: AtomicU64,
+    metrics: AdmissionMetrics,
+}
+
+/// How often the dispatcher looks again while requests wait, besides being woken: the
+/// backends' own queues change with their scraped metrics, which wake nobody.
+const RECHECK: Duration = Duration::from_millis(25);
+
+impl Admission {
+    /// A queue judging saturation with `saturated`, with its dispatcher running.
+    pub fn start(
+        settings: AdmissionSettings,
+        saturated: SaturationCheck,
+        registry: &mut Registry,
+    ) -> Arc<Self> {
+        let admission = Arc::new(Self {
+            settings,
+            queue: Mutex::default(),
+            depth: AtomicUsize::new(0),
+            in_transit: AtomicUsize::new(0),
+            wake: Arc::new(Notify::new()),
+            saturated,
+            mean_wait_us: AtomicU64::new(0),
+            metrics: AdmissionMetrics::register(registry),
+        });
+        tokio::spawn(dispatch(Arc::downgrade(&admission)));
+        admission
+    }
+
+    /// Waits for room for `ticket`'s request, or refuses it. Dropping the future (the client
+    /// left) gives up its place.
+    pub async fn admit(self: &Arc<Self>, ticket: Ticket) -> Result<Permit, Refused> {
+        let priority = PriorityLabels {
+            priority: ticket.priority,
+        };
+        if self.depth.load(Relaxed) == 0
+            && self.in_transit.load(Relaxed) == 0
+            && !(self.saturated)(ticket.model.as_deref(), &self.settings)
+        {
+            self.count_admitted(ticket.priority, "direct");
+            return Ok(Permit::free());
+        }
+        let (tx, rx) = oneshot::channel();
+        let id = {
+            let mut queue = self.queue.lock();
+            if self.depth.load(Relaxed) >= self.settings.max_queued {
+                drop(queue);
+                self.count_left(ticket.priority, "full");
+                return Err(Refused::Full {
+                    retry_after: self.retry_after(),
+                });
+            }
+            self.depth.fetch_add(1, Relaxed);
+            queue.push(&ticket, tx)
+        };
+        self.metrics.depth.get_or_create(&priority).inc();
+        self.wake.notify_one();
+        let enqueued = Instant::now();
+        let mut place = Place {
+            admission: self,
+            ticket: &ticket,
+            id,
+            released: false,
+        };
+        match tokio::time::timeout(self.settings.timeout, rx).await {
+            Ok(Ok(permit)) => {
+                place.released = true;
+                let waited = enqueued.elapsed();
+                self.metrics
+                    .wait
+                    .get_or_create(&priority)
+                    .observe(waited.as_secs_f64());
+                self.learn_wait(waited);
+                self.count_admitted(ticket.priority, "queued");
+                Ok(permit)
+            }
+            // The sender went without a permit: only if the queue itself is gone.
+            Ok(Err(_)) => {
+                place.released = true;
+                Err(Refused::TimedOut {
+                    retry_after: self.retry_after(),
+                })
+            }
+            Err(_) => {
+                drop(place);
+                self.count_left(ticket.priority, "timeout");
+                Err(Refused::TimedOut {
+                    retry_after: self.retry_after(),
+                })
+            }
+        }
+    }
+
+    /// Requests waiting now.
+    pub fn depth(&self) -> usize {
+        self.depth.load(Relaxed)
+    }
+
+    /// When a refused client should come back: about the queue's recent mean wait, at least
+    /// one second.
+    fn retry_after(&self) -> Duration {
+        let mean = Duration::from_micros(self.mean_wait_us.load(Relaxed));
+        Duration::from_secs(mean.as_secs_f64().ceil().max(1.0) as u64)
+    }
+
+    fn learn_wait(&self, waited: Duration) {
+        let us = waited.as_micros().min(u64::MAX as u128) as u64;
+        let old = self.mean_wait_us.load(Relaxed);
+        let new = if old == 0 { us } else { (old * 7 + us) / 8 };
+        self.mean_wait_us.store(new, Relaxed);
+    }
+
+    fn count_admitted(&self, priority: i32, path: &'static str) {
+        self.metrics
+            .admitted
+            .get_or_create(&AdmittedLabels { priority, path })
+            .inc();
+    }
+
+    fn count_left(&self, priority: i32, reason: &'static str) {
+        self.metrics
+            .left
+            .get_or_create(&LeftLabels { priority, reason })
+            .inc();
+    }
+
+    /// Releases waiters while one may go: nothing in transit, and a model with room.
+    fn release(self: &Arc<Self>) {
+        while self.in_transit.load(Relaxed) == 0 && self.depth.load(Relaxed) > 0 {
+            let mut room: HashMap<Option<Arc<str>>, bool> = HashMap::new();
+            let next = {
+                let mut queue = self.queue.lock();
+                let next = queue.next(|model| {
+                    let key = model.map(Arc::<str>::from);
+                    *room
+                        .entry(key)
+                        .or_insert_with(|| !(self.saturated)(model, &self.settings))
+                });
+                if next.is_some() {
+                    self.depth.fetch_sub(1, Relaxed);
+                }
+                next
+            };
+            let Some((priority, waiter)) = next else {
+                return;
+            };
+            self.metrics
+                .depth
+                .get_or_create(&PriorityLabels { priority })
+                .dec();
+            self.in_transit.fetch_add(1, Relaxed);
+            // A waiter that has just left drops the permit with its receiver: the place in
+            // transit frees again and the loop goes on with the next.
+            let _ = waiter.tx.send(Permit {
+                admission: Some(self.clone()),
+            });
+        }
+    }
+}
+
+/// A request's place in the queue; leaving it (dropped unreleased) removes the waiter.
+struct Place<'a> {
+    admission: &'a Admission,
+    ticket: &'a Ticket,
+    id: u64,
+    released: bool,
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        if self.released {
+            return;
+        }
+        let a = self.admission;
+        let removed = a.queue.lock().remove(self.ticket, self.id);
+        if removed {
+            a.depth.fetch_sub(1, Relaxed);
+            a.metrics
+                .depth
+                .get_or_create(&PriorityLabels {
+                    priority: self.ticket.priority,
+                })
+                .dec();
+            if !std::thread::panicking() {
+                a.count_left(self.ticket.priority, "cancelled");
+            }
+        }
+        // Not removed: it was released as it left; its permit, dropped with the receiver,
+        // frees the place in transit.
+    }
+}
+
+/// Releases waiters whenever woken, and every [`RECHECK`] while any wait.
+async fn dispatch(admission: Weak<Admission>) {
+    loop {
+        let Some(a) = admission.upgrade() else {
+            return;
+        };
+        let wake = a.wake.clone();
+        let waiting = a.depth() > 0;
+        a.release();
+        drop(a);
+        if waiting {
+            let _ = tokio::time::timeout(RECHECK, wake.notified()).await;
+        } else {
+            wake.notified().await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    fn settings(max_queued: usize) -> AdmissionSettings {
+        AdmissionSettings {
+            max_wait: Some(Duration::from_millis(100)),
+            max_waiting: None,
+            max_queued,
+            timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// A queue whose fleet is saturated while `full` is set.
+    fn queue(max_queued: usize) -> (Arc<Admission>, Arc<AtomicBool>) {
+        let full = Arc::new(AtomicBool::new(true));
+        let f = full.clone();
+        let a = Admission::start(
+            settings(max_queued),
+            Box::new(move |_, _| f.load(Relaxed)),
+            &mut Registry::default(),
+        );
+        (a, full)
+    }
+
+    fn ticket(priority: i32, tenant: u64) -> Ticket {
+        Ticket {
+            priority,
+            tenant,
+            model: None,
+        }
+    }
+
+    #[test]
+    fn the_queue_serves_priority_then_tenants_in_turn_then_arrival() {
+        let mut q = Queue::default();
+        let mut ids = HashMap::new();
+        for (label, p, t) in [
+            ("a1", 0, 1),
+            ("a2", 0, 1),
+            ("a3", 0, 1),
+            ("b1", 0, 2),
+            ("hi", 5, 3),
+            ("c1", 0, 3),
+        ] {
+            let (tx, _rx) = oneshot::channel();
+            std::mem::forget(_rx);
+            ids.insert(q.push(&ticket(p, t), tx), label);
+        }
+        let order: Vec<&str> = std::iter::from_fn(|| q.next(|_| true))
+            .map(|(_, w)| ids[&w.id])
+            .collect();
+        assert_eq!(order, ["hi", "a1", "b1", "c1", "a2", "a3"]);
+        assert!(q.levels.is_empty());
+    }
+
+    #[test]
+    fn a_model_without_room_does_not_block_the_others() {
+        let mut q = Queue::default();
+        let (tx, _rx1) = oneshot::channel();
+        let busy = Ticket {
+            priority: 9,
+            tenant: 1,
+            model: Some(Arc::from("busy")),
+        };
+        q.push(&busy, tx);
+        let (tx, _rx2) = oneshot::channel();
+        let free = Ticket {
+            priority: 0,
+            tenant: 1,
+            model: Some(Arc::from("free")),
+        };
+        let id = q.push(&free, tx);
+        let (_, w) = q.next(|m| m == Some("free")).unwrap();
+        assert_eq!(w.id, id);
+        assert!(q.next(|m| m == Some("free")).is_none());
+        assert!(q.remove(&busy, 1));
+        assert!(q.levels.is_empty());
+    }
+
+    #[tokio::test]
+    async fn requests_wait_while_saturated_and_leave_when_room_frees() {
+        let (a, full) = queue(10);
+        let waiting = tokio::spawn({
+            let a = a.clone();
+            async move { a.admit(ticket(0, 1)).await.map(|_| ()) }
+        });
+        while a.depth() == 0 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!waiting.is_finished());
+        full.store(false, Relaxed);
+        a.wake.notify_one();
+        assert_eq!(waiting.await.unwrap(), Ok(()));
+        assert_eq!(a.depth(), 0);
+        // Room at once: admitted directly.
+        assert!(a.admit(ticket(0, 1)).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_refuses_with_a_retry_time() {
+        let (a, _full) = queue(1);
+        let first = tokio::spawn({
+            let a = a.clone();
+            async move { a.admit(ticket(0, 1)).await.map(|_| ()) }
+        });
+        while a.depth() == 0 {
+            tokio::task::yield_now().await;
+        }
+        match a.admit(ticket(0, 2)).await {
+            Err(Refused::Full { retry_after }) => assert!(retry_after >= Duration::from_secs(1)),
+            other => panic!("expected a refusal, got {:?}", other.map(|_| ())),
+        }
+        first.abort();
+    }
+
+    #[tokio::test]
+    async fn a_client_that_leaves_frees_its_place() {
+        let (a, full) = queue(1);
+        let leaving = tokio::spawn({
+            let a = a.clone();
+            async move { a.admit(ticket(0, 1)).await.map(|_| ()) }
+        });
+        while a.depth() == 0 {
+            tokio::task::yield_now().await;
+        }
+        leaving.abort();
+        let _ = leaving.await;
+        assert_eq!(a.depth(), 0);
+        // Its place is free for the next, which is released when room frees.
+        let next = tokio::spawn({
+            let a = a.clone();
+            async move { a.admit(ticket(0, 2)).await.map(|_| ()) }
+        });
+        while a.depth() == 0 {
+            tokio::task::yield_now().await;
+        }
+        full.store(false, Relaxed);
+        a.wake.notify_one();
+        assert_eq!(next.await.unwrap(), Ok(()));
+    }
+
+    #[tokio::test]
+    async fn one_release_is_in_transit_at_a_time() {
+        let (a, full) = queue(10);
+        let mut waiters = Vec::new();
+        for t in 0..3 {
+            let a2 = a.clone();
+            waiters.push(tokio::spawn(async move { a2.admit(ticket(0, t)).await }));
+            while a.depth() < t as usize + 1 {
+                tokio::task::yield_now().await;
+            }
+        }
+        full.store(false, Relaxed);
+        a.wake.notify_one();
+        // The first is released; the others wait until its permit is used.
+        let first = loop {
+            if let Some(i) = waiters.iter().position(|w| w.is_finished()) {
+                break waiters.remove(i).await.unwrap().unwrap();
+            }
+            tokio::task::yield_now().await;
+        };
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert_eq!(a.depth(), 2, "released while one was in transit");
+        drop(first);
+        for w in waiters {
+            assert!(w.await.unwrap().is_ok());
+        }
+    }
+
+    #[tokio::test]
+    async fn a_request_that_waits_too_long_is_refused() {
+        let full = Arc::new(AtomicBool::new(true));
+        let f = full.clone();
+        let mut s = settings(10);
+        s.timeout = Duration::from_millis(50);
+        let a = Admission::start(s, Box::new(move |_, _| f.load(Relaxed)), &mut Registry::default());
+        assert!(matches!(
+            a.admit(ticket(0, 1)).await,
+            Err(Refused::TimedOut { .. })
+        ));
+        assert_eq!(a.depth(), 0);
+    }
+}
