@@ -192,8 +192,7 @@ impl Shared {
                         return;
                     }
                     let body = workload::turn_body(&self.args, &conv, round);
-                    let (sample, answer) =
-                        self.send(self.args.api, &body, &BTreeMap::new()).await;
+                    let (sample, answer) = self.send(self.args.api, &body, &BTreeMap::new()).await;
                     if !sample.ok {
                         return;
                     }

@@ -485,7 +485,11 @@ pub async fn compare(
         cache_threshold: args.cache_threshold,
         balance_abs: args.balance_abs,
         balance_rel: args.balance_rel,
-        queue_args: args.queue_args.split_whitespace().map(str::to_owned).collect(),
+        queue_args: args
+            .queue_args
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect(),
     };
     let workload = workload_name(&args.workload);
     let mut results = Vec::new();

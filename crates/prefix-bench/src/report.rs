@@ -57,10 +57,10 @@ pub struct Figures {
     pub classes: Vec<ClassFigures>,
 }
 
-/// The figures of one class of requests: one priority, or one tenant.
+/// The figures of one class of requests: one priority, or one tenant within a priority.
 #[derive(Clone, Debug, Serialize, Default)]
 pub struct ClassFigures {
-    /// `priority=1` or `tenant=tenant-0`.
+    /// `priority=1`, or `priority=0 tenant=tenant-3`.
     pub class: String,
     pub requests: usize,
     pub errors: usize,
@@ -72,28 +72,28 @@ pub struct ClassFigures {
     pub contended_rps: f64,
 }
 
-/// Figures by priority and by tenant.
+/// The classes a sample belongs to: its priority, and its tenant within that priority.
+fn class_names(s: &Sample) -> impl Iterator<Item = String> {
+    let priority = s.priority.as_deref().unwrap_or("0");
+    let p = s.priority.as_ref().map(|p| format!("priority={p}"));
+    let t = s
+        .tenant
+        .as_ref()
+        .map(|t| format!("priority={priority} tenant={t}"));
+    p.into_iter().chain(t)
+}
+
+/// Figures by priority, and by tenant within each priority (fair sharing is within one).
 fn classes(samples: &[Sample]) -> Vec<ClassFigures> {
     let window = samples.iter().map(|s| s.sent_at).fold(0.0, f64::max);
-    let mut keys: Vec<String> = samples
-        .iter()
-        .flat_map(|s| {
-            let p = s.priority.as_ref().map(|p| format!("priority={p}"));
-            let t = s.tenant.as_ref().map(|t| format!("tenant={t}"));
-            p.into_iter().chain(t)
-        })
-        .collect();
+    let mut keys: Vec<String> = samples.iter().flat_map(class_names).collect();
     keys.sort();
     keys.dedup();
     keys.into_iter()
         .map(|class| {
             let of: Vec<&Sample> = samples
                 .iter()
-                .filter(|s| {
-                    s.priority.as_ref().map(|p| format!("priority={p}")).as_ref() == Some(&class)
-                        || s.tenant.as_ref().map(|t| format!("tenant={t}")).as_ref()
-                            == Some(&class)
-                })
+                .filter(|s| class_names(s).any(|c| c == class))
                 .collect();
             let ttft: Vec<f64> = of.iter().filter(|s| s.ok).map(|s| s.ttft * 1e3).collect();
             let contended = of
@@ -416,10 +416,19 @@ mod tests {
         ];
         let c = classes(&samples);
         let names: Vec<&str> = c.iter().map(|c| c.class.as_str()).collect();
-        assert_eq!(names, ["priority=0", "priority=1", "tenant=a", "tenant=b"]);
+        assert_eq!(
+            names,
+            [
+                "priority=0",
+                "priority=0 tenant=a",
+                "priority=0 tenant=b",
+                "priority=1",
+                "priority=1 tenant=a"
+            ]
+        );
         assert_eq!(c[0].requests, 3);
-        assert_eq!(c[1].ttft_mean_ms, 100.0);
-        assert_eq!(c[3].contended_rps, 1.0 / 4.0);
+        assert_eq!(c[3].ttft_mean_ms, 100.0);
+        assert_eq!(c[2].contended_rps, 1.0 / 4.0);
         assert!(classes_markdown(&[SystemResult {
             name: "x".into(),
             figures: Some(Figures {
@@ -428,7 +437,7 @@ mod tests {
             }),
             ..SystemResult::default()
         }])
-        .contains("| x | tenant=b | 2 |"));
+        .contains("| x | priority=0 tenant=b | 2 |"));
     }
 
     #[test]

@@ -357,9 +357,8 @@ pub fn jobs(args: &WorkloadArgs) -> anyhow::Result<Vec<Job>> {
         WorkloadKind::Overload => (0..args.random_count as u64)
             .map(|i| {
                 let prompt = text(seed ^ (i + 1) << 32 ^ 0x0E, args.input_len);
-                let roll = |salt: u64| {
-                    (splitmix(seed ^ i ^ salt) >> 11) as f64 / (1u64 << 53) as f64
-                };
+                let roll =
+                    |salt: u64| (splitmix(seed ^ i ^ salt) >> 11) as f64 / (1u64 << 53) as f64;
                 let high = roll(0x41) < args.high_share;
                 // The first tenant sends half of the requests, the others share the rest.
                 let tenants = args.tenants.max(1);
@@ -399,7 +398,10 @@ fn mooncake_prompt(
     }
     // A trace whose ids cover less than its length: the rest is this request's own.
     if prompt.len() < bytes {
-        let own = text(seed ^ splitmix(line.timestamp.to_bits()) ^ 0x0D, line.input_length);
+        let own = text(
+            seed ^ splitmix(line.timestamp.to_bits()) ^ 0x0D,
+            line.input_length,
+        );
         prompt.push_str(&own[..bytes - prompt.len()]);
     }
     prompt.truncate(bytes);
@@ -516,7 +518,7 @@ mod tests {
                     .as_str()
                     .unwrap()
                     .to_owned(),
-                Job::Conversation(_) => unreachable!(),
+                _ => unreachable!(),
             })
             .collect();
         assert_eq!(systems.len(), 3);
@@ -532,6 +534,7 @@ mod tests {
             .map(|j| match j {
                 Job::Single(t) => t.body.to_string(),
                 Job::Conversation(c) => c.questions.join("|"),
+                Job::Burst(items) => items.len().to_string(),
             })
             .collect()
     }
@@ -555,7 +558,7 @@ mod tests {
                     t.t = Some(0.5);
                     t
                 }
-                Job::Conversation(_) => unreachable!(),
+                _ => unreachable!(),
             })
             .collect();
         let path = std::env::temp_dir().join(format!("trace-{}.jsonl", std::process::id()));
@@ -590,5 +593,116 @@ mod tests {
         let b0 = turn_body(&a, c, 0);
         assert_eq!(b0["messages"].as_array().unwrap().len(), 4);
         assert_eq!(jobs.iter().map(Job::requests).sum::<usize>(), 6);
+    }
+
+    fn single(job: &Job) -> &TraceItem {
+        match job {
+            Job::Single(t) => t,
+            _ => panic!("not a single request"),
+        }
+    }
+
+    fn prompt(item: &TraceItem) -> String {
+        item.body["messages"][1]["content"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    }
+
+    #[test]
+    fn mooncake_ids_become_shared_text_at_the_traces_times() {
+        let path = std::env::temp_dir().join(format!("mooncake-{}.jsonl", std::process::id()));
+        std::fs::write(
+            &path,
+            concat!(
+                r#"{"timestamp": 0, "input_length": 1024, "output_length": 7, "hash_ids": [1, 2]}"#,
+                "\n",
+                r#"{"timestamp": 3000, "input_length": 700, "output_length": 3, "hash_ids": [1, 3]}"#,
+                "\n",
+                r#"{"timestamp": 4000, "input_length": 600, "output_length": 1, "hash_ids": [9]}"#,
+                "\n",
+            ),
+        )
+        .unwrap();
+        let a = args(&[
+            "--workload",
+            "mooncake",
+            "--trace",
+            path.to_str().unwrap(),
+            "--speedup",
+            "2",
+        ]);
+        let jobs = jobs(&a).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let items: Vec<&TraceItem> = jobs.iter().map(single).collect();
+        assert_eq!(
+            items.iter().map(|i| i.t.unwrap()).collect::<Vec<_>>(),
+            [0.0, 1.5, 2.0]
+        );
+        let prompts: Vec<String> = items.iter().map(|i| prompt(i)).collect();
+        let block = MOONCAKE_BLOCK_TOKENS * BYTES_PER_TOKEN;
+        assert_eq!(prompts[0].len(), 1024 * BYTES_PER_TOKEN);
+        assert_eq!(prompts[1].len(), 700 * BYTES_PER_TOKEN);
+        // Equal first ids: equal first blocks; other ids: other text.
+        assert_eq!(prompts[0][..block], prompts[1][..block]);
+        assert_ne!(
+            prompts[0][block..block + 100],
+            prompts[1][block..block + 100]
+        );
+        // Ids covering less than the length: padded with the request's own text.
+        assert_eq!(prompts[2].len(), 600 * BYTES_PER_TOKEN);
+        assert_eq!(items[0].body["max_tokens"], 7);
+    }
+
+    #[test]
+    fn bursts_share_a_prefix_and_arrive_within_the_spread() {
+        let a = args(&[
+            "--workload",
+            "bursty",
+            "--groups",
+            "3",
+            "--burst",
+            "4",
+            "--burst-spread-ms",
+            "8",
+            "--system-len",
+            "20",
+        ]);
+        let jobs = jobs(&a).unwrap();
+        assert_eq!(jobs.len(), 3);
+        let Job::Burst(items) = &jobs[1] else {
+            panic!("not a burst")
+        };
+        assert_eq!(items.len(), 4);
+        let systems: std::collections::HashSet<&str> = items
+            .iter()
+            .map(|i| i.body["messages"][0]["content"].as_str().unwrap())
+            .collect();
+        assert_eq!(systems.len(), 1);
+        assert!(items.iter().all(|i| i.t.unwrap() < 0.008));
+        assert_eq!(jobs.iter().map(Job::requests).sum::<usize>(), 12);
+    }
+
+    #[test]
+    fn overload_requests_carry_priorities_and_tenants() {
+        let a = args(&[
+            "--workload",
+            "overload",
+            "--random-count",
+            "2000",
+            "--tenants",
+            "4",
+        ]);
+        let jobs = jobs(&a).unwrap();
+        let count = |name: &str, value: &str| {
+            jobs.iter()
+                .filter(|j| single(j).headers.get(name).map(String::as_str) == Some(value))
+                .count() as f64
+        };
+        assert!((300.0..500.0).contains(&count("x-priority", "1")));
+        assert!((900.0..1100.0).contains(&count("x-tenant", "tenant-0")));
+        for t in 1..4 {
+            assert!((250.0..420.0).contains(&count("x-tenant", &format!("tenant-{t}"))));
+        }
     }
 }

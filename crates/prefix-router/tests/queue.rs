@@ -11,10 +11,11 @@ use common::{eventually, fleet, metric, router, text};
 use serde_json::json;
 use vllm_sim::SimConfig;
 
-/// One sim prefilling 20,000 tokens a second: a 2,000-token prompt takes about 100 ms.
+/// One sim prefilling 5,000 tokens a second: the 15,000-token blocker takes 3 s, a
+/// 100-token request 25 ms.
 fn slow() -> SimConfig {
     SimConfig {
-        prefill_tokens_per_s: 20_000.0,
+        prefill_tokens_per_s: 5_000.0,
         prefill_overhead_ms: 5.0,
         itl_ms: 1.0,
         ..SimConfig::default()
@@ -55,8 +56,13 @@ async fn held_requests_leave_by_priority_then_tenant_turns_then_arrival() {
     // One request prefilling at a time: every other one waits at the router.
     let (r, _) = router(&sims.urls(), &["--queue-when-waiting", "1"]).await;
     let url = r.url();
-    let blocker = tokio::spawn(send(url.clone(), text(1, 40_000), vec![]));
-    assert!(eventually(10, || async { metric(&url, "prefix_router_queue_admitted_total", "direct").await == 1.0 }).await);
+    let blocker = tokio::spawn(send(url.clone(), text(1, 60_000), vec![]));
+    assert!(
+        eventually(10, || async {
+            metric(&url, "prefix_router_queue_admitted_total", "direct").await == 1.0
+        })
+        .await
+    );
     let arrivals = [
         ("a1", 0, "a"),
         ("a2", 0, "a"),
@@ -110,7 +116,12 @@ async fn a_full_queue_refuses_and_a_client_that_leaves_frees_its_place() {
     .await;
     let url = r.url();
     let blocker = tokio::spawn(send(url.clone(), text(1, 60_000), vec![]));
-    assert!(eventually(10, || async { metric(&url, "prefix_router_queue_admitted_total", "direct").await == 1.0 }).await);
+    assert!(
+        eventually(10, || async {
+            metric(&url, "prefix_router_queue_admitted_total", "direct").await == 1.0
+        })
+        .await
+    );
     let first = tokio::spawn(send(url.clone(), text(2, 400), vec![]));
     until_depth(&url, 1.0).await;
     let leaving = tokio::spawn(send(url.clone(), text(3, 400), vec![]));
@@ -124,7 +135,11 @@ async fn a_full_queue_refuses_and_a_client_that_leaves_frees_its_place() {
         .await
         .unwrap();
     assert_eq!(resp.status().as_u16(), 429);
-    let retry: u64 = resp.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    let retry: u64 = resp.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!(retry >= 1);
     let body: serde_json::Value = resp.json().await.unwrap();
     assert_eq!(body["error"]["type"], "rate_limit_error");
@@ -145,10 +160,7 @@ async fn a_full_queue_refuses_and_a_client_that_leaves_frees_its_place() {
     assert_eq!(newcomer.await.unwrap().0, 200);
     // The blocker, the first and the newcomer reached the server; the refused and the
     // cancelled did not.
-    assert_eq!(
-        metric(&url, "prefix_router_requests_total", "").await,
-        3.0
-    );
+    assert_eq!(metric(&url, "prefix_router_requests_total", "").await, 3.0);
     assert_eq!(
         metric(&url, "prefix_router_queue_refused_total", "full").await,
         1.0
@@ -165,7 +177,12 @@ async fn a_request_queued_too_long_gets_503_and_a_bad_priority_400() {
     .await;
     let url = r.url();
     let blocker = tokio::spawn(send(url.clone(), text(1, 60_000), vec![]));
-    assert!(eventually(10, || async { metric(&url, "prefix_router_queue_admitted_total", "direct").await == 1.0 }).await);
+    assert!(
+        eventually(10, || async {
+            metric(&url, "prefix_router_queue_admitted_total", "direct").await == 1.0
+        })
+        .await
+    );
     let started = Instant::now();
     let (status, _) = send(url.clone(), text(2, 400), vec![]).await;
     assert_eq!(status, 503);
@@ -182,8 +199,5 @@ async fn a_request_queued_too_long_gets_503_and_a_bad_priority_400() {
         assert_eq!(resp.status().as_u16(), 400, "x-priority {bad:?}");
     }
     assert_eq!(blocker.await.unwrap().0, 200);
-    assert_eq!(
-        metric(&url, "prefix_router_requests_total", "").await,
-        1.0
-    );
+    assert_eq!(metric(&url, "prefix_router_requests_total", "").await, 1.0);
 }

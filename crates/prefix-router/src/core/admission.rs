@@ -226,7 +226,9 @@ impl AdmissionMetrics {
     fn register(r: &mut Registry) -> Self {
         let m = Self {
             depth: Family::default(),
-            wait: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.005, 2.0, 14))),
+            wait: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.005, 2.0, 14))
+            }),
             admitted: Family::default(),
             left: Family::default(),
         };
@@ -653,7 +655,11 @@ mod tests {
         let f = full.clone();
         let mut s = settings(10);
         s.timeout = Duration::from_millis(50);
-        let a = Admission::start(s, Box::new(move |_, _| f.load(Relaxed)), &mut Registry::default());
+        let a = Admission::start(
+            s,
+            Box::new(move |_, _| f.load(Relaxed)),
+            &mut Registry::default(),
+        );
         assert!(matches!(
             a.admit(ticket(0, 1)).await,
             Err(Refused::TimedOut { .. })

@@ -28,11 +28,11 @@ use tokio::net::TcpListener;
 use tower_http::catch_panic::CatchPanicLayer;
 
 use crate::api_error;
+use crate::core::admission::Admission;
 pub use crate::core::backend;
 use crate::core::matches::StringIndex;
 pub use crate::core::policy;
 use crate::core::policy::PolicySettings;
-use crate::core::admission::Admission;
 use crate::core::{Core, CoreSettings};
 use crate::http_metrics;
 use crate::server::{self, Running};

@@ -58,7 +58,11 @@ fn priority(headers: &HeaderMap) -> Result<i32, ApiError> {
 /// hash: the queue never holds a key), else everyone without either is one tenant.
 fn tenant(headers: &HeaderMap, tenant_header: &HeaderName) -> u64 {
     let named = headers.get(tenant_header).map(|v| (1u8, v));
-    let keyed = || headers.get(axum::http::header::AUTHORIZATION).map(|v| (2u8, v));
+    let keyed = || {
+        headers
+            .get(axum::http::header::AUTHORIZATION)
+            .map(|v| (2u8, v))
+    };
     match named.or_else(keyed) {
         Some((kind, v)) => xxhash_rust::xxh3::xxh3_64_with_seed(v.as_bytes(), kind as u64),
         None => 0,
