@@ -256,40 +256,65 @@ async fn paired_latencies(
     out
 }
 
-/// Percentiles (p50, p99, in ms) of `prefix_router_added_latency_seconds` between two scrapes
-/// of a router's `/metrics`, at the resolution of its buckets (upper bounds).
-fn added_latency(before: &str, after: &str) -> Option<(f64, f64)> {
-    let buckets = |text: &str| -> Vec<(f64, f64)> {
-        text.lines()
-            .filter(|l| l.starts_with("prefix_router_added_latency_seconds_bucket{"))
-            .filter_map(|l| {
-                let le = l.split("le=\"").nth(1)?.split('"').next()?;
+/// The buckets (upper bound, count) of the histogram `name`, summed over its series and over
+/// the scrapes of several routers (replicas), counted between the `before` and `after` scrapes.
+fn histogram_delta(before: &[String], after: &[String], name: &str) -> Vec<(f64, f64)> {
+    let prefix = format!("{name}_bucket{{");
+    let mut sums: Vec<(f64, f64)> = Vec::new();
+    let mut add = |text: &str, sign: f64| {
+        for line in text.lines().filter(|l| l.starts_with(&prefix)) {
+            let parsed = (|| {
+                let le = line.split("le=\"").nth(1)?.split('"').next()?;
                 let le = if le == "+Inf" {
                     f64::INFINITY
                 } else {
-                    le.parse().ok()?
+                    le.parse::<f64>().ok()?
                 };
-                Some((le, l.rsplit(' ').next()?.parse().ok()?))
-            })
-            .collect()
+                Some((le, line.rsplit(' ').next()?.parse::<f64>().ok()?))
+            })();
+            let Some((le, count)) = parsed else { continue };
+            match sums.iter_mut().find(|(l, _)| *l == le) {
+                Some((_, c)) => *c += sign * count,
+                None => sums.push((le, sign * count)),
+            }
+        }
     };
-    let (b, a) = (buckets(before), buckets(after));
-    let deltas: Vec<(f64, f64)> = a
-        .iter()
-        .zip(b.iter().chain(std::iter::repeat(&(0.0, 0.0))))
-        .map(|((le, x), (_, y))| (*le, x - y))
-        .collect();
-    let total = deltas.last()?.1;
+    after.iter().for_each(|t| add(t, 1.0));
+    before.iter().for_each(|t| add(t, -1.0));
+    sums.sort_by(|a, b| a.0.total_cmp(&b.0));
+    sums
+}
+
+/// The `q` quantile of cumulative buckets, as the upper bound of the bucket that holds it.
+fn bucket_quantile(buckets: &[(f64, f64)], q: f64) -> Option<f64> {
+    let total = buckets.last()?.1;
     if total <= 0.0 {
         return None;
     }
-    let q = |p: f64| {
-        deltas
-            .iter()
-            .find(|(_, c)| *c >= p * total)
-            .map_or(f64::INFINITY, |(le, _)| le * 1e3)
-    };
-    Some((q(0.5), q(0.99)))
+    buckets
+        .iter()
+        .find(|(_, c)| *c >= q * total)
+        .map(|(le, _)| *le)
+}
+
+/// Percentiles (p50, p99, in ms) of `prefix_router_added_latency_seconds` between two scrapes
+/// of routers' `/metrics`, at the resolution of its buckets (upper bounds).
+fn added_latency(before: &[String], after: &[String]) -> Option<(f64, f64)> {
+    let buckets = histogram_delta(before, after, "prefix_router_added_latency_seconds");
+    let q = |p| bucket_quantile(&buckets, p).map(|s| s * 1e3);
+    Some((q(0.5)?, q(0.99)?))
+}
+
+/// The `/metrics` text of each of `urls` (a router that does not answer is left out).
+async fn scrape_all(client: &reqwest::Client, urls: &[String]) -> Vec<String> {
+    let mut texts = Vec::new();
+    for url in urls {
+        let text = async { client.get(format!("{url}/metrics")).send().await?.text().await };
+        if let Ok(text) = text.await {
+            texts.push(text);
+        }
+    }
+    texts
 }
 
 fn quiet_workload() -> WorkloadArgs {
@@ -318,6 +343,12 @@ async fn measure(
     let sims = !fleet.is_vllm();
     fleet.reset(client).await?;
     let before = fleet.counters(client).await?;
+    let ours = !system.is_peer() && system != System::Oracle;
+    let routers_before = if ours {
+        scrape_all(client, &launched.urls).await
+    } else {
+        Vec::new()
+    };
     let jobs = limited_jobs(&args.workload, &args.load)?;
     let total: usize = jobs.iter().map(Job::requests).sum();
     let driven: Driven = driver::drive(
@@ -332,6 +363,15 @@ async fn measure(
     let counters = fleet.counters(client).await?.since(&before);
     report::write_requests(&args.out, system.name(), &driven.samples)?;
     let mut figures = report::figures(&driven.samples, &counters, driven.wall.as_secs_f64());
+    if ours {
+        let routers_after = scrape_all(client, &launched.urls).await;
+        let errors = histogram_delta(
+            &routers_before,
+            &routers_after,
+            "prefix_router_ttft_prediction_error",
+        );
+        figures.ttft_prediction_error_p50 = bucket_quantile(&errors, 0.5);
+    }
     if let Some(path) = &args.workload.write_trace {
         workload::write_trace(path, &driven.sent)?;
     }
@@ -341,25 +381,8 @@ async fn measure(
         fleet.set_time_scale(client, 0.0).await?;
     }
     if sims && args.overhead_requests > 0 {
-        let scrape = |url: String| {
-            let client = client.clone();
-            async move {
-                client
-                    .get(format!("{url}/metrics"))
-                    .send()
-                    .await
-                    .ok()?
-                    .text()
-                    .await
-                    .ok()
-            }
-        };
-        let ours = !system.is_peer() && system != System::Oracle;
-        let before = if ours {
-            scrape(launched.urls[0].clone()).await
-        } else {
-            None
-        };
+        let routers = if ours { &launched.urls[..] } else { &[] };
+        let before = scrape_all(client, routers).await;
         let (direct, routed) = paired_latencies(
             Target::urls(fleet.urls.clone()),
             target(),
@@ -371,18 +394,10 @@ async fn measure(
         let p = |v: &[f64], q| stats::percentile(v, q);
         figures.router_overhead_p50_ms = Some(p(&routed, 50.0) - p(&direct, 50.0));
         figures.router_overhead_p99_ms = Some(p(&routed, 99.0) - p(&direct, 99.0));
-        if let (Some(before), Some(after)) = (
-            before,
-            if ours {
-                scrape(launched.urls[0].clone()).await
-            } else {
-                None
-            },
-        ) {
-            if let Some((p50, p99)) = added_latency(&before, &after) {
-                figures.router_added_p50_ms = Some(p50);
-                figures.router_added_p99_ms = Some(p99);
-            }
+        let after = scrape_all(client, routers).await;
+        if let Some((p50, p99)) = added_latency(&before, &after) {
+            figures.router_added_p50_ms = Some(p50);
+            figures.router_added_p99_ms = Some(p99);
         }
     }
     if sims && args.throughput_secs > 0.0 {
@@ -660,5 +675,27 @@ mod tests {
             let args = Words::try_parse_from(argv).unwrap().compare;
             assert_eq!(fleet::sim_config(&args.sim_args).unwrap().kv_blocks, 2000);
         }
+    }
+
+    #[test]
+    fn histogram_quantiles_count_the_run_over_every_replica() {
+        let scrape = |a: u32, b: u32, inf: u32| {
+            format!(
+                "# TYPE h histogram\nh_sum 1\nh_count {inf}\n\
+                 h_bucket{{backend=\"x\",le=\"0.1\"}} {a}\n\
+                 h_bucket{{backend=\"x\",le=\"0.2\"}} {b}\n\
+                 h_bucket{{backend=\"x\",le=\"+Inf\"}} {inf}\n"
+            )
+        };
+        // Replica 1 had 5 requests before the run; during it each replica saw 4 under 0.1,
+        // and replica 2 two more under 0.2 and two above.
+        let before = [scrape(5, 5, 5), scrape(0, 0, 0)];
+        let after = [scrape(9, 9, 9), scrape(4, 6, 8)];
+        let buckets = histogram_delta(&before, &after, "h");
+        assert_eq!(buckets, vec![(0.1, 8.0), (0.2, 10.0), (f64::INFINITY, 12.0)]);
+        assert_eq!(bucket_quantile(&buckets, 0.5), Some(0.1));
+        assert_eq!(bucket_quantile(&buckets, 0.8), Some(0.2));
+        assert_eq!(bucket_quantile(&buckets, 0.99), Some(f64::INFINITY));
+        assert_eq!(bucket_quantile(&histogram_delta(&after, &after, "h"), 0.5), None);
     }
 }

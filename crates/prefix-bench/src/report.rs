@@ -48,6 +48,10 @@ pub struct Figures {
     /// it upstream, during the overhead phase (bucket upper bounds).
     pub router_added_p50_ms: Option<f64>,
     pub router_added_p99_ms: Option<f64>,
+    /// Our routers only: the median of |observed − predicted| ÷ observed TTFT of the run's
+    /// streamed requests, from the routers' `prefix_router_ttft_prediction_error` (bucket upper
+    /// bound, so within 0.05 above the true median).
+    pub ttft_prediction_error_p50: Option<f64>,
     /// Closed-loop requests/s through the system against sims that do not wait.
     pub max_rps: Option<f64>,
     /// CPU time of the router process(es) per request over the whole run.
@@ -191,18 +195,18 @@ pub fn markdown(results: &[SystemResult]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "| system | hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TTFT mean ms | e2e p50 ms | req/s | out tok/s | imbalance | errors | overhead p50 ms | overhead p99 ms | added p50/p99 ms | max req/s | CPU ms/req |"
+        "| system | hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TTFT mean ms | e2e p50 ms | req/s | out tok/s | imbalance | errors | overhead p50 ms | overhead p99 ms | added p50/p99 ms | max req/s | CPU ms/req | TTFT prediction error p50 |"
     );
     let _ = writeln!(
         out,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
     for r in results {
         match &r.figures {
             None => {
                 let _ = writeln!(
                     out,
-                    "| {} | skipped: {} |||||||||||||| ",
+                    "| {} | skipped: {} |||||||||||||||",
                     r.name,
                     r.reason.as_deref().unwrap_or("")
                 );
@@ -210,7 +214,7 @@ pub fn markdown(results: &[SystemResult]) -> String {
             Some(f) => {
                 let _ = writeln!(
                     out,
-                    "| {} | {:.3} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.2} | {} | {} | {} | {} | {} | {} |",
+                    "| {} | {:.3} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.2} | {} | {} | {} | {} | {} | {} | {} |",
                     r.name,
                     f.hit_rate,
                     f.ttft_p50_ms,
@@ -230,6 +234,8 @@ pub fn markdown(results: &[SystemResult]) -> String {
                     },
                     f.max_rps.map_or("–".into(), |v| format!("{v:.0}")),
                     f.cpu_ms_per_request.map_or("–".into(), |v| format!("{v:.3}")),
+                    f.ttft_prediction_error_p50
+                        .map_or("–".into(), |v| format!("≤ {:.0} %", v * 100.0)),
                 );
             }
         }

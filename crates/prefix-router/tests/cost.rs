@@ -85,6 +85,10 @@ async fn the_cost_policy_learns_each_servers_speed_and_prefers_the_faster() {
         40.0
     );
     assert_eq!(
+        metric(&url, "prefix_router_ttft_prediction_error_count", "").await,
+        40.0
+    );
+    assert_eq!(
         metric(&url, "prefix_router_ttft_seconds_count", "").await,
         40.0
     );

@@ -124,9 +124,18 @@ fn fit(s: &Sums) -> PrefillLine {
         prior.seconds_per_token
     };
     let slope = slope.max(1e-8);
-    let overhead = (my - slope * mx).max(0.0);
+    let overhead = my - slope * mx;
+    if overhead < 0.0 && xx > 0.0 {
+        // The line through the data would start below zero (typically: every request had
+        // the same work, so the prior alone set the slope). Clamping its start would lift
+        // the whole line above the data; the line through the origin fits them instead.
+        return PrefillLine {
+            overhead_s: 0.0,
+            seconds_per_token: (xy / xx).max(1e-8),
+        };
+    }
     PrefillLine {
-        overhead_s: overhead,
+        overhead_s: overhead.max(0.0),
         seconds_per_token: slope,
     }
 }
@@ -168,6 +177,18 @@ mod tests {
         model.observe(10, f64::NAN);
         model.observe(10, -1.0);
         assert_eq!(model.line().ttft(1000), after);
+    }
+
+    #[test]
+    fn requests_of_one_size_are_predicted_at_their_size() {
+        // A gateway queue releases one request at a time: every TTFT is seen at the same
+        // work (1,024 tokens, 61 ms: faster per token than the prior, with little overhead).
+        let model = PrefillModel::default();
+        for _ in 0..60 {
+            model.observe(1024, 0.061);
+        }
+        let predicted = model.line().ttft(1024);
+        assert!((predicted - 0.061).abs() < 0.061 * 0.1, "{:?}", model.line());
     }
 
     #[test]

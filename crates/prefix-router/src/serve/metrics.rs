@@ -7,7 +7,7 @@ use std::sync::Arc;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::histogram::{exponential_buckets, linear_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 use crate::core::backend::Backend;
@@ -36,6 +36,11 @@ fn ratio() -> Histogram {
     Histogram::new(exponential_buckets(1.0 / 16.0, 2f64.sqrt().sqrt(), 33))
 }
 
+/// 0.05 .. 1 in steps of 0.05, then 1.5, 2, 3, 5, 10: a median read off it is within 0.05.
+fn relative_error() -> Histogram {
+    Histogram::new(linear_buckets(0.05, 0.05, 20).chain([1.5, 2.0, 3.0, 5.0, 10.0]))
+}
+
 fn latency() -> Histogram {
     // 10 µs .. ~42 s
     Histogram::new(exponential_buckets(1e-5, 2.0, 23))
@@ -59,6 +64,7 @@ pub struct GatewayMetrics {
     request_latency: Hist<ServerLabels>,
     ttft: Hist<BackendLabels>,
     ttft_prediction: Hist<BackendLabels>,
+    ttft_prediction_error: Hist<BackendLabels>,
 }
 
 impl GatewayMetrics {
@@ -73,6 +79,7 @@ impl GatewayMetrics {
             request_latency: Hist::new_with_constructor(latency),
             ttft: Hist::new_with_constructor(latency),
             ttft_prediction: Hist::new_with_constructor(ratio),
+            ttft_prediction_error: Hist::new_with_constructor(relative_error),
         };
         r.register(
             "prefix_router_requests",
@@ -114,6 +121,11 @@ impl GatewayMetrics {
             "Observed ÷ predicted time to first byte of streamed answers, by backend (1: the learned prefill line was right)",
             m.ttft_prediction.clone(),
         );
+        r.register(
+            "prefix_router_ttft_prediction_error",
+            "|observed - predicted| / observed time to first byte of streamed answers, by backend (its median is how far the cost model is off)",
+            m.ttft_prediction_error.clone(),
+        );
         m
     }
 
@@ -128,6 +140,11 @@ impl GatewayMetrics {
             self.ttft_prediction
                 .get_or_create(&labels)
                 .observe(ttft / predicted);
+        }
+        if predicted > 0.0 && ttft > 0.0 {
+            self.ttft_prediction_error
+                .get_or_create(&labels)
+                .observe((ttft - predicted).abs() / ttft);
         }
     }
 
@@ -175,6 +192,7 @@ impl GatewayMetrics {
         let backend = BackendLabels { backend: label };
         self.ttft.remove(&backend);
         self.ttft_prediction.remove(&backend);
+        self.ttft_prediction_error.remove(&backend);
         self.retries.remove(&backend);
     }
 }
