@@ -309,7 +309,14 @@ fn added_latency(before: &[String], after: &[String]) -> Option<(f64, f64)> {
 async fn scrape_all(client: &reqwest::Client, urls: &[String]) -> Vec<String> {
     let mut texts = Vec::new();
     for url in urls {
-        let text = async { client.get(format!("{url}/metrics")).send().await?.text().await };
+        let text = async {
+            client
+                .get(format!("{url}/metrics"))
+                .send()
+                .await?
+                .text()
+                .await
+        };
         if let Ok(text) = text.await {
             texts.push(text);
         }
@@ -692,10 +699,16 @@ mod tests {
         let before = [scrape(5, 5, 5), scrape(0, 0, 0)];
         let after = [scrape(9, 9, 9), scrape(4, 6, 8)];
         let buckets = histogram_delta(&before, &after, "h");
-        assert_eq!(buckets, vec![(0.1, 8.0), (0.2, 10.0), (f64::INFINITY, 12.0)]);
+        assert_eq!(
+            buckets,
+            vec![(0.1, 8.0), (0.2, 10.0), (f64::INFINITY, 12.0)]
+        );
         assert_eq!(bucket_quantile(&buckets, 0.5), Some(0.1));
         assert_eq!(bucket_quantile(&buckets, 0.8), Some(0.2));
         assert_eq!(bucket_quantile(&buckets, 0.99), Some(f64::INFINITY));
-        assert_eq!(bucket_quantile(&histogram_delta(&after, &after, "h"), 0.5), None);
+        assert_eq!(
+            bucket_quantile(&histogram_delta(&after, &after, "h"), 0.5),
+            None
+        );
     }
 }

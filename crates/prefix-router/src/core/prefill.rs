@@ -188,7 +188,11 @@ mod tests {
             model.observe(1024, 0.061);
         }
         let predicted = model.line().ttft(1024);
-        assert!((predicted - 0.061).abs() < 0.061 * 0.1, "{:?}", model.line());
+        assert!(
+            (predicted - 0.061).abs() < 0.061 * 0.1,
+            "{:?}",
+            model.line()
+        );
     }
 
     #[test]
