@@ -304,8 +304,14 @@ async fn forward(
             let work = crate::core::policy::prefill_work(&row, uncached);
             let predicted = crate::core::policy::predicted_ttft(&row, uncached);
             let (gw2, b2) = (gw.clone(), backend.clone());
+            let decoding = row.inflight.saturating_sub(row.waiting_first_byte);
             guard.on_first_byte(Box::new(move |ttft| {
                 let ttft = ttft.as_secs_f64();
+                tracing::debug!(
+                    target: "prefix_router::ttft",
+                    backend = %b2.url(), work, uncached, decoding, predicted, ttft,
+                    "first byte"
+                );
                 b2.prefill.observe(work, ttft);
                 gw2.metrics.observe_ttft(&b2, ttft, predicted);
             }));
