@@ -302,7 +302,7 @@ async fn forward(
         if stream {
             // Its TTFT teaches the backend's prefill line, and says how right the line was.
             let work = crate::core::policy::prefill_work(&row, uncached);
-            let predicted = crate::core::policy::predicted_ttft(&row, uncached);
+            let predicted = crate::core::policy::ttft_of_work(&row, work);
             let (gw2, b2) = (gw.clone(), backend.clone());
             let decoding = row.inflight.saturating_sub(row.waiting_first_byte);
             guard.on_first_byte(Box::new(move |ttft| {

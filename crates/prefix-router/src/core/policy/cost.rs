@@ -39,7 +39,13 @@ pub fn prefill_work(row: &CandidateRow, uncached: u64) -> u64 {
 
 /// The predicted TTFT of a request with `uncached` tokens to compute at `row`.
 pub fn predicted_ttft(row: &CandidateRow, uncached: u64) -> f64 {
-    let ttft = row.prefill.ttft(prefill_work(row, uncached));
+    ttft_of_work(row, prefill_work(row, uncached))
+}
+
+/// The predicted TTFT at `row` of a request with `work` tokens to compute before its first
+/// token (from `prefill_work`, for callers that need the work too).
+pub fn ttft_of_work(row: &CandidateRow, work: u64) -> f64 {
+    let ttft = row.prefill.ttft(work);
     let pressure = ((row.kv_usage - KV_PRESSURE_FROM) / (1.0 - KV_PRESSURE_FROM)).clamp(0.0, 1.0);
     ttft * (1.0 + pressure)
 }

@@ -18,7 +18,7 @@ pub(crate) mod fixtures;
 
 use prefix_index::ServerId;
 
-pub use cost::{predicted_ttft, prefill_work, Cost};
+pub use cost::{predicted_ttft, prefill_work, ttft_of_work, Cost};
 pub use least_loaded::LeastLoaded;
 pub use prefix::Prefix;
 pub use prefix_load::PrefixLoad;
