@@ -159,6 +159,12 @@ pub trait PrefixStore: Send + Sync + 'static {
 
     /// A short name for logs and metrics ("memory", "sqlite", ...).
     fn kind(&self) -> &'static str;
+
+    /// The in-memory store behind this one, if it is one: router replicas exchange its
+    /// snapshots ([`crate::MemoryStore::export`], [`crate::MemoryStore::merge`]).
+    fn as_memory(&self) -> Option<&crate::MemoryStore> {
+        None
+    }
 }
 
 /// Rejects a query without candidates, which has no answer.

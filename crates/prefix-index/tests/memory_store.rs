@@ -74,3 +74,61 @@ fn trait_object_use() {
         assert_eq!(store.kind(), "memory");
     });
 }
+
+/// A peer's export merged into a store that holds entries of its own is the store that would
+/// have seen both streams of notifies (latest `last_used` wins); over capacity, the oldest go.
+#[test]
+fn merging_an_export_equals_replaying_its_notifies() {
+    let config = StoreConfig {
+        default_capacity: 10_000,
+        ttl_ms: None,
+    };
+    let hasher = PrefixHasher::new(8, 1).unwrap();
+    let request = |i: u64| {
+        let text = format!("system {} / user {} / turn {}", i % 3, i % 11, i);
+        hasher.hash(text.as_bytes())
+    };
+    let (peer, own, replayed) = (
+        MemoryStore::new(config).unwrap(),
+        MemoryStore::new(config).unwrap(),
+        MemoryStore::new(config).unwrap(),
+    );
+    for i in 0..200u64 {
+        let (server, t) = (i % 3, Tick::from_millis(1_000 + i * 7 % 130));
+        if i % 2 == 0 {
+            peer.notify_now(&request(i), server, t).unwrap();
+        } else {
+            own.notify_now(&request(i), server, t).unwrap();
+        }
+        replayed.notify_now(&request(i), server, t).unwrap();
+    }
+    for (server, _, mut entries) in peer.export() {
+        assert_eq!(own.merge(server, &mut entries).unwrap(), 0);
+    }
+    assert_eq!(own.export(), replayed.export());
+    assert_eq!(own.entries(), replayed.entries());
+
+    // Over capacity: the merged server keeps its most recent entries, prefix-closed.
+    own.set_capacity_now(0, 40).unwrap();
+    let mut newer: Vec<_> = (0..8u64)
+        .flat_map(|i| {
+            request(10_000 + i)
+                .as_slice()
+                .iter()
+                .enumerate()
+                .map(|(d, &h)| (h, d as u32 + 1, Tick::from_millis(5_000)))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let evicted = own.merge(0, &mut newer).unwrap();
+    assert!(evicted > 0);
+    let servers = own.servers_now();
+    assert_eq!(
+        servers.iter().find(|s| s.server_id == 0).unwrap().entries,
+        40
+    );
+    let q = own
+        .query_now(&request(10_000), &[0], Tick::from_millis(5_000))
+        .unwrap();
+    assert_eq!(q.matched, q.total, "the newest request is held whole");
+}

@@ -14,6 +14,7 @@ pub mod index;
 pub mod index_client;
 pub mod json_body;
 pub mod metric_label;
+pub mod replica_bus;
 pub mod serve;
 pub mod server;
 pub mod store_args;

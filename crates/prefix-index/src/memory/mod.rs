@@ -303,6 +303,48 @@ impl MemoryStore {
         Ok(())
     }
 
+    /// Merges entries `(hash, depth, last_used)` exported by another store (a peer replica's
+    /// snapshot) into a server that may already hold some: each entry is inserted or refreshed
+    /// to the later of the two `last_used`, as a notify would, then the server is evicted to
+    /// its capacity. Returns the entries evicted. A prefix-closed export stays prefix-closed.
+    pub fn merge(
+        &self,
+        server: ServerId,
+        entries: &mut [(u64, u32, Tick)],
+    ) -> Result<u64, StoreError> {
+        loop {
+            let node = self.server_or_register(server)?;
+            let mut state = node.state.lock();
+            if state.dropped {
+                continue;
+            }
+            let lru = &mut state.lru;
+            entries.sort_unstable_by_key(|&(h, d, t)| (t, d, std::cmp::Reverse(h)));
+            let mut victims = Vec::new();
+            for group in entries.chunk_by(|a, b| a.2 == b.2) {
+                let tick = group[0].2;
+                let mut moved = Vec::new();
+                let mut touched = Vec::with_capacity(group.len());
+                for &(h, d, _) in group {
+                    let depth = d.clamp(1, crate::store::MAX_CAPACITY as u32);
+                    let entry = LruEntry::new(depth, h);
+                    let old = self.shards[shard_of(h)]
+                        .0
+                        .write()
+                        .upsert(h, node.slot, tick);
+                    match old {
+                        None => {}
+                        Some(old) if old < tick => moved.push((old.millis(), entry)),
+                        Some(_) => continue,
+                    }
+                    touched.push(entry);
+                }
+                lru.touch(tick, &mut moved, &touched);
+            }
+            return Ok(self.evict_to_capacity(node.slot, lru, &mut victims));
+        }
+    }
+
     /// [`PrefixStore::notify`] without the future.
     pub fn notify_now(
         &self,
@@ -546,6 +588,10 @@ impl PrefixStore for MemoryStore {
 
     async fn purge_expired(&self, now: Tick) -> Result<u64, StoreError> {
         Ok(self.purge_expired_now(now))
+    }
+
+    fn as_memory(&self) -> Option<&MemoryStore> {
+        Some(self)
     }
 
     fn kind(&self) -> &'static str {

@@ -88,6 +88,8 @@ pub struct Backend {
     pub waiting_first_byte: AtomicU64,
     /// Uncached prompt tokens of those: the prefill work queued there by this router.
     pub queued_prefill_tokens: AtomicU64,
+    /// What the other router replicas hold here, as they last told over the replica bus.
+    pub remote: RemoteLoad,
     /// Its prefill speed, learned from the TTFTs of streamed requests.
     pub prefill: crate::core::prefill::PrefillModel,
     /// From the backend's `/metrics`: `vllm:num_requests_running` + `num_requests_waiting`.
@@ -163,6 +165,7 @@ impl Backend {
             inflight: AtomicU64::new(0),
             waiting_first_byte: AtomicU64::new(0),
             queued_prefill_tokens: AtomicU64::new(0),
+            remote: RemoteLoad::default(),
             prefill: Default::default(),
             reported_queue: AtomicU64::new(0),
             reported_running: AtomicU64::new(0),
@@ -282,18 +285,29 @@ impl Backend {
         crate::core::policy::CandidateRow {
             id: self.id,
             weight: self.weight(),
-            inflight: self.inflight.load(Relaxed),
-            waiting_first_byte: self.waiting_first_byte.load(Relaxed),
+            inflight: self.inflight.load(Relaxed) + self.remote.inflight.load(Relaxed),
+            waiting_first_byte: self.waiting_first_byte.load(Relaxed)
+                + self.remote.waiting_first_byte.load(Relaxed),
             queue: self.reported_queue.load(Relaxed),
             entries: self.entries.load(Relaxed),
             matched_tokens: 0,
-            queued_prefill_tokens: self.queued_prefill_tokens.load(Relaxed),
+            queued_prefill_tokens: self.queued_prefill_tokens.load(Relaxed)
+                + self.remote.queued_prefill_tokens.load(Relaxed),
             reported_waiting: self.reported_waiting.load(Relaxed),
             kv_usage: self.kv_usage(),
             prefill: self.prefill.line(),
             prefill_observations: self.prefill.observations(),
         }
     }
+}
+
+/// A backend's load held by the other router replicas (their sums): policies add it to this
+/// router's own, so replicas balance one fleet instead of each its own share.
+#[derive(Default, Debug)]
+pub struct RemoteLoad {
+    pub inflight: AtomicU64,
+    pub waiting_first_byte: AtomicU64,
+    pub queued_prefill_tokens: AtomicU64,
 }
 
 /// Called with the time to first byte of a request, when it comes.

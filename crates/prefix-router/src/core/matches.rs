@@ -158,10 +158,16 @@ impl StringIndex {
     }
 
     async fn notify(&self, key: &PromptKey, backend: &Backend) {
+        self.notify_at(&key.chunks, backend, Tick::from_secs(now_secs()))
+            .await
+    }
+
+    /// Records that a request of these chunks went to `backend` at `t` (this router's own
+    /// requests, or another replica's told over the bus).
+    pub async fn notify_at(&self, chunks: &PrefixHashes, backend: &Backend, t: Tick) {
         let start = Instant::now();
-        let t = Tick::from_secs(now_secs());
         let result =
-            tokio::time::timeout(self.timeout, self.store.notify(&key.chunks, backend.id, t)).await;
+            tokio::time::timeout(self.timeout, self.store.notify(chunks, backend.id, t)).await;
         self.observe("notify", start);
         match result {
             Ok(Ok(out)) => {

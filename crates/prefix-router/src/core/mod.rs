@@ -83,6 +83,12 @@ pub struct EventsSettings {
 /// Called with a backend that left the fleet.
 type BackendListener = Box<dyn Fn(&Backend) + Send + Sync>;
 
+/// Hears each request the router sends (the replica bus tells the other replicas). Called on
+/// the request path: it must not wait.
+pub trait SentListener: Send + Sync {
+    fn sent(&self, prompt: Option<&PromptKey>, block_names: Option<&Arc<[u64]>>, backend: &Backend);
+}
+
 /// The decision core.
 pub struct Core {
     pub fleet: Fleet,
@@ -100,6 +106,8 @@ pub struct Core {
     pending_drops: parking_lot::Mutex<HashMap<prefix_index::ServerId, tokio::task::JoinHandle<()>>>,
     /// Told when a backend leaves the fleet (its metric series go, for one).
     on_left: parking_lot::Mutex<Vec<BackendListener>>,
+    /// Told of every request sent (the replica bus, when there is one).
+    on_sent: std::sync::OnceLock<Box<dyn SentListener>>,
 }
 
 impl Core {
@@ -125,6 +133,7 @@ impl Core {
             metrics: CoreMetrics::register(registry),
             pending_drops: Default::default(),
             on_left: Default::default(),
+            on_sent: Default::default(),
         }
     }
 
@@ -141,6 +150,33 @@ impl Core {
     /// The prefix store behind the string index.
     pub fn store(&self) -> &Arc<dyn prefix_index::PrefixStore> {
         &self.strings.store
+    }
+
+    /// Tells `listener` of every request sent from now on (one listener: false if one is set).
+    pub fn on_request_sent(&self, listener: Box<dyn SentListener>) -> bool {
+        self.on_sent.set(listener).is_ok()
+    }
+
+    /// The backend with this server id, if it is in the fleet.
+    pub fn backend(&self, id: prefix_index::ServerId) -> Option<Arc<Backend>> {
+        self.fleet.snapshot().iter().find(|b| b.id == id).cloned()
+    }
+
+    /// Another router replica sent a request to `backend` at `t`: the string index (and in
+    /// precise mode the backend's block credits) learn it as if this router had sent it.
+    pub async fn peer_sent(
+        &self,
+        chunks: &prefix_index::PrefixHashes,
+        block_names: Option<Arc<[u64]>>,
+        backend: &Arc<Backend>,
+        t: prefix_index::Tick,
+    ) {
+        if !chunks.is_empty() && self.policy.needs_matches() {
+            self.strings.notify_at(chunks, backend, t).await;
+        }
+        if let (Some(events), Some(names)) = (&self.events, block_names) {
+            events.credit(backend.id, names);
+        }
     }
 
     /// Calls `f` with every backend that leaves the fleet.
@@ -308,6 +344,12 @@ impl Core {
         }
         if let (Some(events), Some(names)) = (&self.events, block_names) {
             events.credit(backend.id, names.clone());
+        }
+        if let Some(listener) = self.on_sent.get() {
+            let prompt = prompt.filter(|_| self.policy.needs_matches());
+            if prompt.is_some() || block_names.is_some() {
+                listener.sent(prompt, block_names, backend);
+            }
         }
     }
 

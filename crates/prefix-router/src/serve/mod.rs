@@ -149,6 +149,17 @@ pub async fn gateway(args: &ServeArgs) -> anyhow::Result<Arc<Gateway>> {
         },
         &mut registry,
     ));
+    if let Some(url) = &args.replica_bus {
+        crate::replica_bus::ReplicaBus::start(
+            crate::replica_bus::BusSettings {
+                url: url.clone(),
+                subject: args.replica_bus_subject.clone(),
+            },
+            &core,
+            &mut registry,
+        )
+        .await?;
+    }
     let metrics = Arc::new(GatewayMetrics::register(&mut registry));
     {
         let metrics = metrics.clone();

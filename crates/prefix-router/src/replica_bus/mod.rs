@@ -1,0 +1,519 @@
+//! The replica bus: router replicas tell each other over NATS what they decide and what load
+//! they hold, so that each routes from its own memory as if it had seen the whole fleet's
+//! traffic.
+//!
+//! - The request path only hands its decision to an outbox (a bounded channel, never
+//!   awaited); a publisher task batches decisions every [`FLUSH_EVERY`] with this replica's
+//!   load table and publishes one compressed frame ([`wire`]).
+//! - A reader applies the peers' frames to the same local state the router's own decisions
+//!   feed: the string index (notify at the peer's time), block credits in precise mode, and
+//!   each backend's [`crate::core::backend::RemoteLoad`] (the sum of the live peers' tables;
+//!   a peer silent for [`PEER_SILENCE`] is forgotten).
+//! - On every (re)connection a replica asks a peer for its string index
+//!   (`SUBJECT.snapshot`, answered in parts to an inbox) and merges it; until then, and
+//!   while the bus is down, it routes from what it has. Nothing waits on the bus: its failure
+//!   shows in the metrics and logs, not in requests.
+
+mod metrics;
+mod peers;
+pub mod wire;
+
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use async_nats::connection::State;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use parking_lot::Mutex;
+use prefix_index::{now_secs, PrefixHashes, Tick};
+use prometheus_client::registry::Registry;
+use tokio::sync::mpsc;
+
+use crate::core::backend::Backend;
+use crate::core::matches::PromptKey;
+use crate::core::{Core, SentListener};
+use metrics::BusMetrics;
+use peers::PeerLoads;
+
+/// How often decisions and load changes are published.
+pub const FLUSH_EVERY: Duration = Duration::from_millis(2);
+/// A replica with nothing to say still publishes its load this often.
+pub const HEARTBEAT: Duration = Duration::from_millis(500);
+/// A peer not heard from for this long is forgotten (its load no longer counts).
+pub const PEER_SILENCE: Duration = Duration::from_secs(3);
+/// Decisions waiting for the publisher; beyond, they are dropped and counted.
+const OUTBOX: usize = 65_536;
+/// Decisions per frame at most.
+const MAX_BATCH: usize = 1_024;
+/// Index entries per snapshot part (about 0.5 MB before compression: under NATS's 1 MB
+/// default message limit).
+const SNAPSHOT_PART_ENTRIES: usize = 25_000;
+/// Longest wait for a peer's whole snapshot.
+const SNAPSHOT_WAIT: Duration = Duration::from_secs(5);
+/// A peer's decision time is believed up to this far ahead of this replica's clock.
+const MAX_CLOCK_AHEAD_MS: u64 = 60_000;
+
+/// Where the bus is and what its subjects are called.
+#[derive(Clone, Debug)]
+pub struct BusSettings {
+    /// `nats://host:port`.
+    pub url: String,
+    /// The subject prefix shared by the replicas of one fleet.
+    pub subject: String,
+}
+
+/// A running bus connection (its tasks stop when the core is dropped).
+pub struct ReplicaBus {
+    /// This replica's id on the bus.
+    pub replica: u64,
+    metrics: Arc<BusMetrics>,
+}
+
+/// Hands each decision to the publisher without waiting.
+struct Outbox {
+    tx: mpsc::Sender<wire::Sent>,
+    metrics: Arc<BusMetrics>,
+}
+
+impl SentListener for Outbox {
+    fn sent(
+        &self,
+        prompt: Option<&PromptKey>,
+        block_names: Option<&Arc<[u64]>>,
+        backend: &Backend,
+    ) {
+        let sent = wire::Sent {
+            backend: backend.id,
+            t_ms: now_ms(),
+            chunks: prompt.map_or_else(Vec::new, |p| p.chunks.as_slice().to_vec()),
+            blocks: block_names.map(|b| b.to_vec()),
+        };
+        if self.tx.try_send(sent).is_err() {
+            self.metrics.drop_decisions("outbox_full", 1);
+        }
+    }
+}
+
+fn now_ms() -> u64 {
+    Tick::from_secs(now_secs()).millis()
+}
+
+/// A random id for this replica (process, time and address of a stack value hashed).
+fn replica_id() -> u64 {
+    let marker = 0u8;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let seed = format!("{}:{nanos}:{:p}", std::process::id(), &marker);
+    xxhash_rust::xxh3::xxh3_64(seed.as_bytes())
+}
+
+impl ReplicaBus {
+    /// Connects to the bus in the background (a bus that is down at start is retried; the
+    /// router serves meanwhile) and starts publishing and applying.
+    pub async fn start(
+        settings: BusSettings,
+        core: &Arc<Core>,
+        registry: &mut Registry,
+    ) -> anyhow::Result<Arc<Self>> {
+        anyhow::ensure!(
+            core.store().as_memory().is_some(),
+            "--replica-bus needs the memory store: each replica keeps its own index and the bus \
+             keeps them alike (a shared --store or --index-url is the other way to share one)"
+        );
+        let metrics = Arc::new(BusMetrics::register(registry));
+        let replica = replica_id();
+        let (connected_tx, connected_rx) = mpsc::unbounded_channel();
+        let client = {
+            let metrics = metrics.clone();
+            let url = settings.url.clone();
+            async_nats::ConnectOptions::new()
+                .no_echo()
+                .retry_on_initial_connect()
+                .connection_timeout(Duration::from_secs(2))
+                .name(format!("prefix-router-{replica:016x}"))
+                .event_callback(move |event| {
+                    let (metrics, url, connected_tx) =
+                        (metrics.clone(), url.clone(), connected_tx.clone());
+                    async move {
+                        match event {
+                            async_nats::Event::Connected => {
+                                tracing::info!(bus = %url, "replica bus connected");
+                                metrics.connected.set(1);
+                                let _ = connected_tx.send(());
+                            }
+                            async_nats::Event::Disconnected => {
+                                tracing::warn!(bus = %url, "replica bus lost: routing from local state until it returns");
+                                metrics.connected.set(0);
+                            }
+                            other => tracing::debug!(bus = %url, event = %other, "replica bus event"),
+                        }
+                    }
+                })
+                .connect(settings.url.as_str())
+                .await
+                .map_err(|e| anyhow::anyhow!("--replica-bus {}: {e}", settings.url))?
+        };
+        let batches = client.subscribe(settings.subject.clone()).await?;
+        let snapshot_subject = format!("{}.snapshot", settings.subject);
+        let snapshot_requests = client.subscribe(snapshot_subject.clone()).await?;
+        let (tx, rx) = mpsc::channel(OUTBOX);
+        core.on_request_sent(Box::new(Outbox {
+            tx,
+            metrics: metrics.clone(),
+        }));
+        let bus = Arc::new(Self {
+            replica,
+            metrics: metrics.clone(),
+        });
+        let weak = Arc::downgrade(core);
+        tokio::spawn(publish(
+            client.clone(),
+            settings.subject.clone(),
+            weak.clone(),
+            rx,
+            bus.clone(),
+        ));
+        tokio::spawn(apply(batches, weak.clone(), bus.clone()));
+        tokio::spawn(serve_snapshots(
+            client.clone(),
+            snapshot_requests,
+            weak.clone(),
+            bus.clone(),
+        ));
+        tokio::spawn(fetch_snapshots(
+            client,
+            snapshot_subject,
+            connected_rx,
+            weak,
+            bus.clone(),
+        ));
+        Ok(bus)
+    }
+}
+
+/// Waits for `next`, giving up (`None`) once the core is gone (checked every second), so the
+/// bus's tasks, and with them its connection, end with the router.
+async fn while_alive<F: std::future::Future>(core: &Weak<Core>, next: F) -> Option<F::Output> {
+    tokio::pin!(next);
+    let mut check = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            out = &mut next => return Some(out),
+            _ = check.tick() => if core.strong_count() == 0 {
+                return None;
+            },
+        }
+    }
+}
+
+/// This replica's own load on every backend of its fleet.
+fn own_load(core: &Core) -> Vec<wire::Load> {
+    use std::sync::atomic::Ordering::Relaxed;
+    core.fleet
+        .snapshot()
+        .iter()
+        .map(|b| wire::Load {
+            backend: b.id,
+            inflight: b.inflight.load(Relaxed),
+            waiting_first_byte: b.waiting_first_byte.load(Relaxed),
+            queued_prefill_tokens: b.queued_prefill_tokens.load(Relaxed),
+        })
+        .collect()
+}
+
+/// Batches the outbox's decisions with this replica's load and publishes them.
+async fn publish(
+    client: async_nats::Client,
+    subject: String,
+    core: Weak<Core>,
+    mut outbox: mpsc::Receiver<wire::Sent>,
+    bus: Arc<ReplicaBus>,
+) {
+    let metrics = &bus.metrics;
+    let mut tick = tokio::time::interval(FLUSH_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut sent = Vec::new();
+    let mut told_load: Option<Vec<wire::Load>> = None;
+    let mut told_at = Instant::now();
+    let mut seq = 0u64;
+    loop {
+        let full = tokio::select! {
+            got = outbox.recv_many(&mut sent, MAX_BATCH) => {
+                if got == 0 {
+                    return;
+                }
+                sent.len() >= MAX_BATCH
+            }
+            _ = tick.tick() => true,
+        };
+        if !full {
+            continue;
+        }
+        let Some(core) = core.upgrade() else {
+            return;
+        };
+        let load = own_load(&core);
+        drop(core);
+        let load_changed = told_load.as_ref() != Some(&load);
+        if sent.is_empty() && !load_changed && told_at.elapsed() < HEARTBEAT {
+            continue;
+        }
+        if client.connection_state() != State::Connected {
+            metrics.drop_decisions("disconnected", sent.len() as u64);
+            sent.clear();
+            told_load = None;
+            continue;
+        }
+        seq += 1;
+        let decisions = sent.len() as u64;
+        let frame = wire::encode(&wire::Batch {
+            replica: bus.replica,
+            seq,
+            sent: std::mem::take(&mut sent),
+            load: Some(load.clone()),
+        });
+        let bytes = frame.len() as u64;
+        match client.publish(subject.clone(), Bytes::from(frame)).await {
+            Ok(()) => {
+                metrics.count(&metrics.messages, "sent", 1);
+                metrics.count(&metrics.bytes, "sent", bytes);
+                metrics.count(&metrics.decisions, "sent", decisions);
+                told_load = Some(load);
+                told_at = Instant::now();
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "replica bus publish failed");
+                metrics.drop_decisions("publish_failed", decisions);
+                told_load = None;
+            }
+        }
+    }
+}
+
+/// Applies the peers' batches, and forgets peers that fell silent.
+async fn apply(mut batches: async_nats::Subscriber, core: Weak<Core>, bus: Arc<ReplicaBus>) {
+    let metrics = &bus.metrics;
+    let peers = Mutex::new(PeerLoads::default());
+    let mut expiry = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        let message = tokio::select! {
+            m = batches.next() => match m {
+                Some(m) => m,
+                None => return,
+            },
+            _ = expiry.tick() => {
+                let Some(core) = core.upgrade() else { return };
+                let gone = peers.lock().expire(Instant::now(), PEER_SILENCE);
+                if gone > 0 {
+                    tracing::info!(replicas = gone, "replica bus: peers fell silent; their load no longer counts");
+                    set_remote_load(&core, &peers.lock());
+                }
+                metrics.peers.set(peers.lock().live() as i64);
+                continue;
+            }
+        };
+        metrics.count(&metrics.messages, "received", 1);
+        metrics.count(&metrics.bytes, "received", message.payload.len() as u64);
+        let batch = match wire::decode::<wire::Batch>(&message.payload) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::debug!(error = %e, subject = %message.subject, "replica bus: message ignored");
+                metrics.reject(e.label());
+                continue;
+            }
+        };
+        if batch.replica == bus.replica {
+            continue;
+        }
+        let Some(core) = core.upgrade() else { return };
+        let has_load = batch.load.is_some();
+        peers
+            .lock()
+            .heard(batch.replica, batch.load, Instant::now());
+        if has_load {
+            set_remote_load(&core, &peers.lock());
+        }
+        let latest = now_ms() + MAX_CLOCK_AHEAD_MS;
+        for sent in batch.sent {
+            let Some(backend) = core.backend(sent.backend) else {
+                metrics.reject("unknown_backend");
+                continue;
+            };
+            let chunks = PrefixHashes::from_raw(sent.chunks);
+            let blocks = sent.blocks.map(Arc::<[u64]>::from);
+            let t = Tick::from_millis(sent.t_ms.min(latest));
+            core.peer_sent(&chunks, blocks, &backend, t).await;
+            metrics.count(&metrics.decisions, "received", 1);
+        }
+    }
+}
+
+/// Writes the live peers' summed load into every backend (zero where none holds any).
+fn set_remote_load(core: &Core, peers: &PeerLoads) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let totals = peers.totals();
+    for b in core.fleet.snapshot().iter() {
+        let t = totals.get(&b.id).copied().unwrap_or_default();
+        b.remote.inflight.store(t.inflight, Relaxed);
+        b.remote
+            .waiting_first_byte
+            .store(t.waiting_first_byte, Relaxed);
+        b.remote
+            .queued_prefill_tokens
+            .store(t.queued_prefill_tokens, Relaxed);
+    }
+}
+
+/// Answers peers' snapshot requests with this replica's string index, in parts.
+async fn serve_snapshots(
+    client: async_nats::Client,
+    mut requests: async_nats::Subscriber,
+    core: Weak<Core>,
+    bus: Arc<ReplicaBus>,
+) {
+    while let Some(Some(request)) = while_alive(&core, requests.next()).await {
+        let Some(reply) = request.reply else {
+            bus.metrics.reject("malformed");
+            continue;
+        };
+        let Some(core) = core.upgrade() else { return };
+        let Some(memory) = core.store().as_memory() else {
+            return;
+        };
+        let servers = memory.export();
+        drop(core);
+        let mut parts: Vec<Vec<wire::ServerEntries>> = vec![Vec::new()];
+        let mut in_part = 0;
+        for (server, _capacity, entries) in servers {
+            for piece in entries.chunks(SNAPSHOT_PART_ENTRIES) {
+                if in_part + piece.len() > SNAPSHOT_PART_ENTRIES && in_part > 0 {
+                    parts.push(Vec::new());
+                    in_part = 0;
+                }
+                in_part += piece.len();
+                let piece = piece.iter().map(|&(h, d, t)| (h, d, t.millis())).collect();
+                parts
+                    .last_mut()
+                    .expect("one part at least")
+                    .push((server, piece));
+            }
+        }
+        let count = parts.len() as u32;
+        for (i, servers) in parts.into_iter().enumerate() {
+            let frame = wire::encode(&wire::SnapshotPart {
+                replica: bus.replica,
+                part: i as u32,
+                parts: count,
+                servers,
+            });
+            if let Err(e) = client.publish(reply.clone(), Bytes::from(frame)).await {
+                tracing::debug!(error = %e, "replica bus: could not send a snapshot part");
+                break;
+            }
+        }
+        bus.metrics.snapshot("served");
+    }
+}
+
+/// On each (re)connection, asks a peer for its string index and merges it.
+async fn fetch_snapshots(
+    client: async_nats::Client,
+    subject: String,
+    mut connected: mpsc::UnboundedReceiver<()>,
+    core: Weak<Core>,
+    bus: Arc<ReplicaBus>,
+) {
+    while let Some(Some(())) = while_alive(&core, connected.recv()).await {
+        // Several connection events in a row ask once.
+        while connected.try_recv().is_ok() {}
+        let Some(strong) = core.upgrade() else { return };
+        let outcome = fetch_snapshot(&client, &subject, &strong, &bus).await;
+        match outcome {
+            Ok(entries) => {
+                tracing::info!(entries, "replica bus: merged a peer's index snapshot");
+                bus.metrics.snapshot("applied");
+            }
+            Err(outcome) => {
+                tracing::info!(outcome, "replica bus: no index snapshot merged");
+                bus.metrics.snapshot(outcome);
+            }
+        }
+    }
+}
+
+/// Asks for one snapshot: `Ok(entries merged)`, or why none was.
+async fn fetch_snapshot(
+    client: &async_nats::Client,
+    subject: &str,
+    core: &Core,
+    bus: &ReplicaBus,
+) -> Result<u64, &'static str> {
+    let inbox = client.new_inbox();
+    let mut answers = client
+        .subscribe(inbox.clone())
+        .await
+        .map_err(|_| "failed")?;
+    client
+        .publish_with_reply(subject.to_owned(), inbox, Bytes::new())
+        .await
+        .map_err(|_| "failed")?;
+    let memory = core.store().as_memory().ok_or("failed")?;
+    let deadline = tokio::time::Instant::now() + SNAPSHOT_WAIT;
+    let mut from = None;
+    let mut seen = 0u32;
+    let mut merged = 0u64;
+    loop {
+        let answer = match tokio::time::timeout_at(deadline, answers.next()).await {
+            Ok(Some(a)) => a,
+            Ok(None) => return Err("failed"),
+            Err(_) => return Err(if from.is_none() { "timeout" } else { "failed" }),
+        };
+        if answer
+            .status
+            .is_some_and(|s| s == async_nats::StatusCode::NO_RESPONDERS)
+        {
+            return Err("no_peer");
+        }
+        let part = match wire::decode::<wire::SnapshotPart>(&answer.payload) {
+            Ok(p) => p,
+            Err(e) => {
+                bus.metrics.reject(e.label());
+                continue;
+            }
+        };
+        // The first peer to answer is the one listened to.
+        if *from.get_or_insert(part.replica) != part.replica {
+            continue;
+        }
+        for (server, entries) in part.servers {
+            let Some(backend) = core.backend(server) else {
+                bus.metrics.reject("unknown_backend");
+                continue;
+            };
+            let mut entries: Vec<(u64, u32, Tick)> = entries
+                .into_iter()
+                .map(|(h, d, t)| (h, d, Tick::from_millis(t)))
+                .collect();
+            if let Err(e) = memory.merge(server, &mut entries) {
+                tracing::warn!(error = %e, "replica bus: could not merge a snapshot part");
+                continue;
+            }
+            merged += entries.len() as u64;
+            bus.metrics.snapshot_entries.inc_by(entries.len() as u64);
+            if let Some(info) = memory
+                .servers_now()
+                .into_iter()
+                .find(|s| s.server_id == backend.id)
+            {
+                backend
+                    .entries
+                    .store(info.entries, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        seen += 1;
+        if seen >= part.parts {
+            return Ok(merged);
+        }
+    }
+}

@@ -1,0 +1,184 @@
+//! What replicas say to each other on the bus, and how it is framed.
+//!
+//! A frame is a 4-byte tag (`PRB` + version), then an LZ4 block (its size prepended) of one
+//! MessagePack value. Compression pays because a batch's decisions repeat each other's
+//! leading chunk hashes (a shared system prompt, earlier turns of a conversation). Decoding
+//! checks the tag and bounds the decompressed size before allocating, so a foreign or hostile
+//! message costs a counter, never a panic or a large allocation.
+
+use serde::{Deserialize, Serialize};
+
+/// The frame tag of this version.
+pub const TAG: [u8; 4] = *b"PRB1";
+/// The largest decompressed message accepted.
+pub const MAX_DECODED: usize = 16 << 20;
+
+/// One routing decision: a request with these string-index chunks (and, in precise mode,
+/// these token-block names) went to `backend` at `t_ms` (Unix time, milliseconds).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Sent {
+    pub backend: u64,
+    pub t_ms: u64,
+    pub chunks: Vec<u64>,
+    pub blocks: Option<Vec<u64>>,
+}
+
+/// This replica's own load on one backend, whole (not a delta): a lost message is healed
+/// by the next one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Load {
+    pub backend: u64,
+    pub inflight: u64,
+    pub waiting_first_byte: u64,
+    pub queued_prefill_tokens: u64,
+}
+
+/// What one replica publishes every few milliseconds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Batch {
+    /// The sender (a random id chosen at start).
+    pub replica: u64,
+    pub seq: u64,
+    pub sent: Vec<Sent>,
+    /// Its load on every backend it knows, when it changed (and as a heartbeat).
+    pub load: Option<Vec<Load>>,
+}
+
+/// A server's index entries in a snapshot: `(server, [(hash, depth, last_used ms)])`.
+pub type ServerEntries = (u64, Vec<(u64, u32, u64)>);
+
+/// A slice of a replica's string index, answering a peer's snapshot request: servers with
+/// their entries `(hash, depth, last_used ms)`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotPart {
+    pub replica: u64,
+    pub part: u32,
+    pub parts: u32,
+    pub servers: Vec<ServerEntries>,
+}
+
+/// Why a message was not applied.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("not a replica-bus frame (foreign or of another version)")]
+    Foreign,
+    #[error("declared size {0} is above the limit")]
+    TooLarge(usize),
+    #[error("bad compression: {0}")]
+    Compression(String),
+    #[error("bad message: {0}")]
+    Message(String),
+}
+
+impl DecodeError {
+    /// A metric label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Foreign => "foreign",
+            Self::TooLarge(_) => "too_large",
+            Self::Compression(_) => "compression",
+            Self::Message(_) => "malformed",
+        }
+    }
+}
+
+/// Frames a message.
+pub fn encode<T: Serialize>(message: &T) -> Vec<u8> {
+    let packed = rmp_serde::to_vec(message).expect("bus messages serialize");
+    let mut out = Vec::with_capacity(TAG.len() + 4 + packed.len() / 2);
+    out.extend_from_slice(&TAG);
+    out.extend_from_slice(&lz4_flex::compress_prepend_size(&packed));
+    out
+}
+
+/// Reads a framed message.
+pub fn decode<T: for<'de> Deserialize<'de>>(frame: &[u8]) -> Result<T, DecodeError> {
+    let body = frame.strip_prefix(&TAG).ok_or(DecodeError::Foreign)?;
+    let size = body
+        .get(..4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+        .ok_or_else(|| DecodeError::Compression("no size".into()))?;
+    if size > MAX_DECODED {
+        return Err(DecodeError::TooLarge(size));
+    }
+    let packed = lz4_flex::decompress_size_prepended(body)
+        .map_err(|e| DecodeError::Compression(e.to_string()))?;
+    rmp_serde::from_slice(&packed).map_err(|e| DecodeError::Message(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn batch() -> Batch {
+        Batch {
+            replica: 7,
+            seq: 3,
+            sent: vec![Sent {
+                backend: u64::MAX,
+                t_ms: 1_700_000_000_000,
+                chunks: vec![1, 2, u64::MAX],
+                blocks: Some(vec![9]),
+            }],
+            load: Some(vec![Load {
+                backend: 5,
+                inflight: 2,
+                waiting_first_byte: 1,
+                queued_prefill_tokens: 900,
+            }]),
+        }
+    }
+
+    #[test]
+    fn a_batch_survives_the_round_trip() {
+        assert_eq!(decode::<Batch>(&encode(&batch())), Ok(batch()));
+    }
+
+    #[test]
+    fn repeated_prefixes_compress() {
+        let shared: Vec<u64> = (0..64).map(|i| i * 0x9E37_79B9_7F4A_7C15).collect();
+        let mut b = batch();
+        b.sent = (0..100)
+            .map(|i| Sent {
+                backend: i % 4,
+                t_ms: 1_700_000_000_000 + i,
+                chunks: shared.iter().copied().chain([i]).collect(),
+                blocks: None,
+            })
+            .collect();
+        let framed = encode(&b).len();
+        let raw = 100 * 65 * 8;
+        assert!(framed * 4 < raw, "{framed} bytes framed for {raw} raw");
+    }
+
+    #[test]
+    fn foreign_and_broken_frames_are_refused() {
+        assert_eq!(decode::<Batch>(b"{\"hello\":1}"), Err(DecodeError::Foreign));
+        let mut bomb = TAG.to_vec();
+        bomb.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(
+            decode::<Batch>(&bomb),
+            Err(DecodeError::TooLarge(u32::MAX as usize))
+        );
+        let mut truncated = encode(&batch());
+        truncated.truncate(truncated.len() - 3);
+        assert!(decode::<Batch>(&truncated).is_err());
+        let other = encode(&("not", "a", "batch"));
+        assert_eq!(
+            decode::<Batch>(&other).map_err(|e| e.label()),
+            Err("malformed")
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn no_input_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = decode::<Batch>(&bytes);
+            let mut tagged = TAG.to_vec();
+            tagged.extend_from_slice(&bytes);
+            let _ = decode::<Batch>(&tagged);
+            let _ = decode::<SnapshotPart>(&tagged);
+        }
+    }
+}

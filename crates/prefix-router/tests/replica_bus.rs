@@ -1,0 +1,452 @@
+//! Router replicas sharing decisions and load over a real NATS server (`nats-server`, started
+//! by each test on a free loopback port so that it can be killed and restarted): what one
+//! replica learns another routes by, load held through one shapes the other's choice, a bus
+//! outage loses no request and the replicas converge again, a new replica catches up from a
+//! peer's snapshot, and foreign or broken messages are counted and ignored.
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+
+use common::{eventually, fleet, instant, metric, router, text};
+use serde_json::json;
+use vllm_sim::{Fleet, SimConfig};
+
+/// A `nats-server` of this test's own.
+struct Nats {
+    port: u16,
+    child: Child,
+}
+
+impl Nats {
+    /// Starts one on a free port; `None` (the test skips) where `nats-server` is not
+    /// installed, except in CI, where that fails the test.
+    async fn start() -> Option<Self> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        match Self::start_on(port).await {
+            Some(n) => Some(n),
+            None if std::env::var_os("PREFIX_ROUTER_CI").is_some() => {
+                panic!("nats-server is needed in CI (Debian package nats-server)")
+            }
+            None => {
+                eprintln!("skipped: nats-server is not installed");
+                None
+            }
+        }
+    }
+
+    async fn start_on(port: u16) -> Option<Self> {
+        let child = Command::new("nats-server")
+            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok()?;
+        let nats = Self { port, child };
+        let up = eventually(10, || async {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+        })
+        .await;
+        assert!(up, "nats-server did not listen on {port}");
+        Some(nats)
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A router replica on the bus.
+async fn replica(
+    sims: &[String],
+    bus: &str,
+    extra: &[&str],
+) -> (
+    prefix_router::server::Running,
+    std::sync::Arc<prefix_router::serve::Gateway>,
+) {
+    let mut words = vec!["--replica-bus", bus, "--replica-bus-subject", "test-fleet"];
+    words.extend_from_slice(extra);
+    router(sims, &words).await
+}
+
+async fn connected(url: &str) -> bool {
+    metric(url, "prefix_router_replica_bus_connected", "").await == 1.0
+}
+
+async fn until_connected(urls: &[&str]) {
+    for url in urls {
+        assert!(
+            eventually(20, || connected(url)).await,
+            "{url} never connected to the bus"
+        );
+    }
+}
+
+/// Requests each sim has finished.
+async fn served(sims: &Fleet) -> Vec<f64> {
+    let mut out = Vec::new();
+    for url in sims.urls() {
+        out.push(metric(&url, "vllm:request_success_total", "").await);
+    }
+    out
+}
+
+async fn complete(router: &str, prompt: &str) -> u16 {
+    reqwest::Client::new()
+        .post(format!("{router}/v1/completions"))
+        .json(&json!({"model": "sim-model", "prompt": prompt, "max_tokens": 2}))
+        .send()
+        .await
+        .map(|r| r.status().as_u16())
+        .unwrap_or(0)
+}
+
+/// Sends `prompt` through `router`; returns the index of the sim that served it.
+async fn serve_once(router: &str, sims: &Fleet, prompt: &str) -> usize {
+    let before = served(sims).await;
+    assert_eq!(complete(router, prompt).await, 200);
+    let after = served(sims).await;
+    let moved: Vec<usize> = (0..after.len()).filter(|&i| after[i] > before[i]).collect();
+    assert_eq!(moved.len(), 1, "one sim served it: {before:?} -> {after:?}");
+    moved[0]
+}
+
+/// Distinct long prompts (the string index matches them whole). Tests ask for them again in
+/// the reverse order: unmatched requests rotate over equally loaded sims, so asking in the
+/// same order would land them where they were even with nothing learned.
+fn prompts(n: u64, seed: u64) -> Vec<String> {
+    (0..n).map(|i| text(seed * 1000 + i, 6_000)).collect()
+}
+
+async fn received_decisions(url: &str) -> f64 {
+    metric(url, "prefix_router_replica_bus_decisions_total", "received").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_taught_to_one_replica_is_routed_there_by_another() {
+    let Some(nats) = Nats::start().await else {
+        return;
+    };
+    let sims = fleet(instant(), 4).await;
+    let (a, _) = replica(&sims.urls(), &nats.url(), &[]).await;
+    let (b, _) = replica(&sims.urls(), &nats.url(), &[]).await;
+    until_connected(&[&a.url(), &b.url()]).await;
+    let taught = prompts(8, 1);
+    let mut placed = Vec::new();
+    for p in &taught {
+        placed.push(serve_once(&a.url(), &sims, p).await);
+    }
+    // prefix_load spreads unmatched prompts by load: A used several sims.
+    let mut distinct = placed.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert!(
+        distinct.len() >= 2,
+        "A placed them all on one sim: {placed:?}"
+    );
+    let start = Instant::now();
+    assert!(
+        eventually(5, || async { received_decisions(&b.url()).await >= 8.0 }).await,
+        "B never heard A's decisions"
+    );
+    eprintln!("B heard A's 8 decisions within {:?}", start.elapsed());
+    for (p, &sim) in taught.iter().zip(&placed).rev() {
+        assert_eq!(
+            serve_once(&b.url(), &sims, p).await,
+            sim,
+            "B routes where A taught"
+        );
+    }
+    // And the other way round.
+    let back = prompts(4, 2);
+    let mut placed = Vec::new();
+    for p in &back {
+        placed.push(serve_once(&b.url(), &sims, p).await);
+    }
+    assert!(eventually(5, || async { received_decisions(&a.url()).await >= 4.0 }).await);
+    for (p, &sim) in back.iter().zip(&placed).rev() {
+        assert_eq!(serve_once(&a.url(), &sims, p).await, sim);
+    }
+}
+
+/// A sim whose requests take seconds (a slow prefill), to hold load.
+fn slow() -> SimConfig {
+    SimConfig {
+        prefill_tokens_per_s: 2_000.0,
+        prefill_overhead_ms: 1.0,
+        itl_ms: 1.0,
+        ..SimConfig::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_held_through_one_replica_steers_the_other() {
+    let Some(nats) = Nats::start().await else {
+        return;
+    };
+    let sims = fleet(slow(), 2).await;
+    let urls = sims.urls();
+    // A knows only sim 0; B knows both, routes by load, and does not scrape the sims' own
+    // queues (so what it knows of sim 0's load can only come from A, over the bus).
+    let (a, _) = replica(&urls[..1], &nats.url(), &["--policy", "least_loaded"]).await;
+    let (b, gw_b) = replica(
+        &urls,
+        &nats.url(),
+        &["--policy", "least_loaded", "--metrics-interval", "1h"],
+    )
+    .await;
+    until_connected(&[&a.url(), &b.url()]).await;
+    // Three requests of ~3 s each through A, all on sim 0.
+    let held: Vec<_> = (0..3)
+        .map(|i| {
+            let (url, prompt) = (a.url(), text(100 + i, 24_000));
+            tokio::spawn(async move { complete(&url, &prompt).await })
+        })
+        .collect();
+    let sim0 = gw_b
+        .core
+        .fleet
+        .snapshot()
+        .iter()
+        .find(|b| b.url() == urls[0])
+        .cloned()
+        .unwrap();
+    assert!(
+        eventually(5, || async { sim0.remote.inflight.load(Relaxed) == 3 }).await,
+        "B never saw A's three requests on sim 0"
+    );
+    // B sends its short requests to sim 1, the one A's load left free.
+    let before = served(&sims).await;
+    for i in 0..4 {
+        assert_eq!(complete(&b.url(), &text(200 + i, 400)).await, 200);
+    }
+    let after = served(&sims).await;
+    assert_eq!(after[1] - before[1], 4.0, "{before:?} -> {after:?}");
+    assert_eq!(
+        after[0], before[0],
+        "sim 0 was still busy with A's requests"
+    );
+    for h in held {
+        assert_eq!(h.await.unwrap(), 200);
+    }
+    // A's requests ended: its table says so, and B counts nothing for it any more.
+    assert!(eventually(5, || async { sim0.remote.inflight.load(Relaxed) == 0 }).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bus_outage_loses_no_request_and_the_replicas_converge_again() {
+    let Some(mut nats) = Nats::start().await else {
+        return;
+    };
+    let sims = fleet(instant(), 4).await;
+    let (a, _) = replica(&sims.urls(), &nats.url(), &[]).await;
+    let (b, _) = replica(&sims.urls(), &nats.url(), &[]).await;
+    until_connected(&[&a.url(), &b.url()]).await;
+    // Steady traffic through both replicas while the bus dies and returns.
+    let load = {
+        let (a, b) = (a.url(), b.url());
+        tokio::spawn(async move {
+            let mut statuses = Vec::new();
+            for i in 0..300u64 {
+                let url = if i % 2 == 0 { &a } else { &b };
+                statuses.push(complete(url, &text(5_000 + i % 40, 2_000)).await);
+                tokio::time::sleep(Duration::from_millis(15)).await;
+            }
+            statuses
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let port = nats.port;
+    nats.kill();
+    assert!(
+        eventually(10, || async {
+            !connected(&a.url()).await && !connected(&b.url()).await
+        })
+        .await,
+        "the replicas did not notice the bus going"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let _nats = Nats::start_on(port).await.expect("nats-server restarts");
+    let statuses = load.await.unwrap();
+    assert!(
+        statuses.iter().all(|&s| s == 200),
+        "every request succeeded through the outage: {:?}",
+        statuses.iter().filter(|&&s| s != 200).count()
+    );
+    until_connected(&[&a.url(), &b.url()]).await;
+    assert!(
+        metric(
+            &a.url(),
+            "prefix_router_replica_bus_dropped_total",
+            "disconnected"
+        )
+        .await
+            + metric(
+                &b.url(),
+                "prefix_router_replica_bus_dropped_total",
+                "disconnected"
+            )
+            .await
+            > 0.0,
+        "decisions made during the outage are counted as not published"
+    );
+    // Converged: what A learns now, B routes by.
+    let received = received_decisions(&b.url()).await;
+    let fresh = prompts(6, 3);
+    let mut placed = Vec::new();
+    for p in &fresh {
+        placed.push(serve_once(&a.url(), &sims, p).await);
+    }
+    assert!(
+        eventually(10, || async {
+            received_decisions(&b.url()).await >= received + 6.0
+        })
+        .await
+    );
+    for (p, &sim) in fresh.iter().zip(&placed).rev() {
+        assert_eq!(serve_once(&b.url(), &sims, p).await, sim);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_replica_catches_up_from_a_peers_snapshot() {
+    let Some(nats) = Nats::start().await else {
+        return;
+    };
+    let sims = fleet(instant(), 4).await;
+    let (a, _) = replica(&sims.urls(), &nats.url(), &[]).await;
+    until_connected(&[&a.url()]).await;
+    let taught = prompts(8, 4);
+    let mut placed = Vec::new();
+    for p in &taught {
+        placed.push(serve_once(&a.url(), &sims, p).await);
+    }
+    // B starts after A learned everything, stops, and C starts in its place: each new
+    // replica merges A's index on connecting.
+    let (b, _) = replica(&sims.urls(), &nats.url(), &[]).await;
+    let snapshot_applied = |url: String| async move {
+        metric(&url, "prefix_router_replica_bus_snapshots_total", "applied").await >= 1.0
+    };
+    assert!(eventually(10, || snapshot_applied(b.url())).await);
+    b.shutdown().await;
+    let (c, _) = replica(&sims.urls(), &nats.url(), &[]).await;
+    assert!(eventually(10, || snapshot_applied(c.url())).await);
+    assert!(
+        metric(
+            &c.url(),
+            "prefix_router_replica_bus_snapshot_entries_total",
+            ""
+        )
+        .await
+            > 0.0
+    );
+    assert_eq!(
+        received_decisions(&c.url()).await,
+        0.0,
+        "C learned from the snapshot alone"
+    );
+    for (p, &sim) in taught.iter().zip(&placed).rev() {
+        assert_eq!(serve_once(&c.url(), &sims, p).await, sim);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn foreign_and_broken_messages_are_counted_and_ignored() {
+    use prefix_router::replica_bus::wire;
+    let Some(nats) = Nats::start().await else {
+        return;
+    };
+    let sims = fleet(instant(), 2).await;
+    let (a, _) = replica(&sims.urls(), &nats.url(), &[]).await;
+    until_connected(&[&a.url()]).await;
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut bomb = wire::TAG.to_vec();
+    bomb.extend_from_slice(&u32::MAX.to_le_bytes());
+    let mut truncated = wire::encode(&wire::Batch {
+        replica: 1,
+        seq: 1,
+        sent: vec![],
+        load: None,
+    });
+    truncated.truncate(6);
+    let unknown_backend = wire::encode(&wire::Batch {
+        replica: 2,
+        seq: 1,
+        sent: vec![wire::Sent {
+            backend: 12345,
+            t_ms: u64::MAX,
+            chunks: vec![1, 2, 3],
+            blocks: None,
+        }],
+        load: Some(vec![wire::Load {
+            backend: 12345,
+            inflight: u64::MAX,
+            waiting_first_byte: u64::MAX,
+            queued_prefill_tokens: u64::MAX,
+        }]),
+    });
+    for payload in [
+        b"{\"hello\": \"world\"}".to_vec(),
+        bomb,
+        truncated,
+        wire::encode(&("not", "a", "batch")),
+        unknown_backend,
+    ] {
+        client.publish("test-fleet", payload.into()).await.unwrap();
+    }
+    client.flush().await.unwrap();
+    let rejected = |reason: &'static str| {
+        let url = a.url();
+        async move { metric(&url, "prefix_router_replica_bus_rejected_total", reason).await }
+    };
+    assert!(eventually(5, || async { rejected("unknown_backend").await == 1.0 }).await);
+    assert_eq!(rejected("foreign").await, 1.0);
+    assert_eq!(rejected("too_large").await, 1.0);
+    assert_eq!(rejected("compression").await, 1.0);
+    assert_eq!(rejected("malformed").await, 1.0);
+    // The router still routes, and the bogus load counts for no backend it has.
+    let p = text(77, 3_000);
+    assert_eq!(complete(&a.url(), &p).await, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_whose_bus_is_down_serves_from_local_state() {
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = free.local_addr().unwrap().port();
+    drop(free);
+    let sims = fleet(instant(), 2).await;
+    let (a, _) = replica(&sims.urls(), &format!("nats://127.0.0.1:{port}"), &[]).await;
+    let p = text(88, 3_000);
+    let first = serve_once(&a.url(), &sims, &p).await;
+    assert_eq!(serve_once(&a.url(), &sims, &p).await, first);
+    assert!(!connected(&a.url()).await);
+    assert!(
+        metric(
+            &a.url(),
+            "prefix_router_replica_bus_dropped_total",
+            "disconnected"
+        )
+        .await
+            >= 2.0
+    );
+}
