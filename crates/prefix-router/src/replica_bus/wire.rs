@@ -137,7 +137,9 @@ mod tests {
 
     #[test]
     fn repeated_prefixes_compress() {
-        let shared: Vec<u64> = (0..64).map(|i| i * 0x9E37_79B9_7F4A_7C15).collect();
+        let shared: Vec<u64> = (0..64u64)
+            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            .collect();
         let mut b = batch();
         b.sent = (0..100)
             .map(|i| Sent {
