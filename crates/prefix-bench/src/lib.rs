@@ -115,6 +115,10 @@ pub struct CompareArgs {
     /// Router processes of the +replicas systems (clients spread over them).
     #[arg(long, default_value_t = 4)]
     pub router_replicas: usize,
+    /// The +replicas systems share what they learn over this NATS server (`--replica-bus`
+    /// of `serve`) instead of through a shared store (`--postgres-url` or a remote index).
+    #[arg(long)]
+    pub replica_bus: Option<String>,
     /// Cache pressure: tell our routers each server's KV cache is this many times its real
     /// size (their string index then assumes prefixes long evicted are still there), as in
     /// llm-d's experiment with a wrong capacity. Default: the routers learn the real size.
@@ -256,6 +260,22 @@ async fn paired_latencies(
     out
 }
 
+/// A counter's increase between the `before` and `after` scrapes, summed over its series whose
+/// labels contain `filter` and over several routers.
+fn counter_delta(before: &[String], after: &[String], name: &str, filter: &str) -> f64 {
+    let sum = |texts: &[String]| -> f64 {
+        texts
+            .iter()
+            .flat_map(|t| t.lines())
+            .filter(|l| {
+                l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']) && l.contains(filter)
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    sum(after) - sum(before)
+}
+
 /// The buckets (upper bound, count) of the histogram `name`, summed over its series and over
 /// the scrapes of several routers (replicas), counted between the `before` and `after` scrapes.
 fn histogram_delta(before: &[String], after: &[String], name: &str) -> Vec<(f64, f64)> {
@@ -378,6 +398,13 @@ async fn measure(
             "prefix_router_ttft_prediction_error",
         );
         figures.ttft_prediction_error_p50 = bucket_quantile(&errors, 0.5);
+        let sent =
+            |name| counter_delta(&routers_before, &routers_after, name, "direction=\"sent\"");
+        let decisions = sent("prefix_router_replica_bus_decisions_total");
+        if decisions > 0.0 {
+            figures.bus_bytes_per_decision =
+                Some(sent("prefix_router_replica_bus_bytes_total") / decisions);
+        }
     }
     if let Some(path) = &args.workload.write_trace {
         workload::write_trace(path, &driven.sent)?;
@@ -502,6 +529,7 @@ pub async fn compare(
         model: args.workload.model.clone(),
         postgres_url: args.postgres_url.clone(),
         replicas: args.router_replicas,
+        replica_bus: args.replica_bus.clone(),
         peers_venv: args.peers_venv.clone(),
         work_dir: args.out.clone(),
         cache_threshold: args.cache_threshold,

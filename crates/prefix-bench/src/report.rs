@@ -56,6 +56,10 @@ pub struct Figures {
     pub max_rps: Option<f64>,
     /// CPU time of the router process(es) per request over the whole run.
     pub cpu_ms_per_request: Option<f64>,
+    /// Replicas on a bus: bytes published on the bus per routing decision (decisions, load
+    /// tables and heartbeats, compressed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bus_bytes_per_decision: Option<f64>,
     /// By priority and by tenant, where requests carried them (the overload workload).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub classes: Vec<ClassFigures>,
@@ -238,6 +242,15 @@ pub fn markdown(results: &[SystemResult]) -> String {
                         .map_or("–".into(), |v| format!("≤ {:.0} %", v * 100.0)),
                 );
             }
+        }
+    }
+    for r in results {
+        if let Some(bytes) = r.figures.as_ref().and_then(|f| f.bus_bytes_per_decision) {
+            let _ = writeln!(
+                out,
+                "\n{}: {bytes:.0} bytes on the replica bus per routing decision.",
+                r.name
+            );
         }
     }
     out

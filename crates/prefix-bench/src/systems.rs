@@ -120,6 +120,8 @@ pub struct LaunchContext {
     pub model: String,
     pub postgres_url: Option<String>,
     pub replicas: usize,
+    /// The +replicas systems share state over this NATS server instead of a store.
+    pub replica_bus: Option<String>,
     pub peers_venv: PathBuf,
     /// Logs of the started processes go here.
     pub work_dir: PathBuf,
@@ -187,6 +189,20 @@ async fn wait_until(deadline: Duration, mut ready: impl AsyncFnMut() -> bool) ->
 }
 
 impl LaunchContext {
+    /// The flags putting a replica on the bus, on a subject of this launch's own (a fresh
+    /// fleet: no snapshot of an earlier system's replicas).
+    fn bus_args(&self, bus: &str) -> Vec<String> {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        vec![
+            "--replica-bus".into(),
+            bus.into(),
+            "--replica-bus-subject".into(),
+            format!("prefix-router-bench-{nanos}"),
+        ]
+    }
+
     /// The flags of one of our routers; its backends go in a config file (with their KV-event
     /// publishers when `events`, and a capacity when it is to be wrong).
     fn router_args(
@@ -469,13 +485,15 @@ impl LaunchContext {
                 children.push(child);
             }
             System::PrefixLoadReplicas => {
-                // Shared state: PostgreSQL when given, else a remote index.
-                let extra = match &self.postgres_url {
-                    Some(pg) => {
+                // Shared state: the replica bus when given, else PostgreSQL when given, else a
+                // remote index.
+                let extra = match (&self.replica_bus, &self.postgres_url) {
+                    (Some(bus), _) => self.bus_args(bus),
+                    (None, Some(pg)) => {
                         empty_postgres(pg).await?;
                         vec!["--store".to_owned(), pg.clone()]
                     }
-                    None => {
+                    (None, None) => {
                         let (index_url, index) = self.index(client).await?;
                         router_pids.extend(index.id());
                         children.push(index);
@@ -510,9 +528,14 @@ impl LaunchContext {
                 } else {
                     self.replicas.max(1)
                 };
+                // With a bus, the replicas share their decisions (block credits) and load.
+                let extra = match (&self.replica_bus, system) {
+                    (Some(bus), System::PrefixLoadEventsReplicas) => self.bus_args(bus),
+                    _ => Vec::new(),
+                };
                 for _ in 0..replicas {
                     let (url, child) = self
-                        .router(client, system.name(), "prefix_load", &[], true)
+                        .router(client, system.name(), "prefix_load", &extra, true)
                         .await?;
                     router_pids.extend(child.id());
                     urls.push(url);

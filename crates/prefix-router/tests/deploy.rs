@@ -238,4 +238,40 @@ fn the_helm_chart_renders_with_its_values() {
         toml.contains("store = \"postgres://router@postgres/router\""),
         "{toml}"
     );
+    assert!(!toml.contains("replica-bus ="), "{toml}");
+
+    // Several replicas on a replica bus deployed with the release: the config names its
+    // Service, and serve accepts the config.
+    let mut bus =
+        serde_norway::from_str::<Value>(&std::fs::read_to_string(dir.join("values.yaml")).unwrap())
+            .unwrap();
+    bus["replicaCount"] = Value::from(3);
+    bus["replicaBus"]["deploy"] = Value::from(true);
+    let all = render_chart(&dir, bus);
+    check(&all, true);
+    let nats = all
+        .iter()
+        .find(|d| {
+            d["kind"].as_str() == Some("Service")
+                && d["metadata"]["name"].as_str() == Some("r1-nats")
+        })
+        .expect("a NATS Service");
+    assert_eq!(get(nats, "spec.ports.0.port").as_u64(), Some(4222));
+    let toml = kind(&all, "ConfigMap")["data"]["router.toml"]
+        .as_str()
+        .unwrap();
+    assert!(
+        toml.contains("replica-bus = \"nats://r1-nats:4222\""),
+        "{toml}"
+    );
+    let file = std::env::temp_dir().join(format!("router-bus-{}.toml", std::process::id()));
+    std::fs::write(&file, toml).unwrap();
+    let args = prefix_router::serve::ServeArgs::from_words(&[
+        "--config".into(),
+        file.display().to_string(),
+    ])
+    .unwrap();
+    std::fs::remove_file(&file).unwrap();
+    assert_eq!(args.replica_bus.as_deref(), Some("nats://r1-nats:4222"));
+    assert_eq!(args.replica_bus_subject, "prefix-router");
 }
