@@ -387,6 +387,7 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
         seq: 1,
         sent: vec![],
         load: None,
+        unhealthy: vec![],
     });
     truncated.truncate(6);
     let unknown_backend = wire::encode(&wire::Batch {
@@ -404,6 +405,7 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
             waiting_first_byte: u64::MAX,
             queued_prefill_tokens: u64::MAX,
         }]),
+        unhealthy: vec![12345],
     });
     for payload in [
         b"{\"hello\": \"world\"}".to_vec(),
@@ -419,7 +421,8 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
         let url = a.url();
         async move { metric(&url, "prefix_router_replica_bus_rejected_total", reason).await }
     };
-    assert!(eventually(5, || async { rejected("unknown_backend").await == 1.0 }).await);
+    // One decision and one health report name a backend A does not have.
+    assert!(eventually(5, || async { rejected("unknown_backend").await == 2.0 }).await);
     assert_eq!(rejected("foreign").await, 1.0);
     assert_eq!(rejected("too_large").await, 1.0);
     assert_eq!(rejected("compression").await, 1.0);
@@ -448,5 +451,58 @@ async fn a_router_whose_bus_is_down_serves_from_local_state() {
         )
         .await
             >= 2.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_one_replica_finds_down_leaves_the_others_candidates() {
+    let Some(nats) = Nats::start().await else {
+        return;
+    };
+    let sims = fleet(instant(), 2).await;
+    let urls = sims.urls();
+    let (a, _) = replica(&urls, &nats.url(), &[]).await;
+    // B checks its backends hourly: what it learns of sim 0 going down comes from A.
+    let (b, gw_b) = replica(
+        &urls,
+        &nats.url(),
+        &["--health-interval", "1h", "--metrics-interval", "1h"],
+    )
+    .await;
+    until_connected(&[&a.url(), &b.url()]).await;
+    let sim0 = gw_b
+        .core
+        .fleet
+        .snapshot()
+        .iter()
+        .find(|b| b.url() == urls[0])
+        .cloned()
+        .unwrap();
+    assert!(eventually(5, || async { sim0.is_healthy() }).await);
+    reqwest::Client::new()
+        .post(format!("{}/sim/kill", urls[0]))
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        eventually(5, || async { !sim0.is_healthy() }).await,
+        "B never took A's word that sim 0 is down"
+    );
+    assert_eq!(
+        metric(
+            &b.url(),
+            "prefix_router_replica_bus_health_reports_total",
+            ""
+        )
+        .await,
+        1.0
+    );
+    // B now routes everything to sim 1 without trying sim 0 first.
+    for i in 0..4 {
+        assert_eq!(complete(&b.url(), &text(300 + i, 1_000)).await, 200);
+    }
+    assert_eq!(
+        metric(&b.url(), "prefix_router_retries_total", "").await,
+        0.0
     );
 }

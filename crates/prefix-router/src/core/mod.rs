@@ -83,10 +83,13 @@ pub struct EventsSettings {
 /// Called with a backend that left the fleet.
 type BackendListener = Box<dyn Fn(&Backend) + Send + Sync>;
 
-/// Hears each request the router sends (the replica bus tells the other replicas). Called on
-/// the request path: it must not wait.
-pub trait SentListener: Send + Sync {
+/// Hears what this router does and sees that other replicas should know (the replica bus
+/// tells them). Called on the request path and from health checks: it must not wait.
+pub trait LocalEvents: Send + Sync {
+    /// A request was sent to `backend`.
     fn sent(&self, prompt: Option<&PromptKey>, block_names: Option<&Arc<[u64]>>, backend: &Backend);
+    /// `backend` just left the candidates (failed checks or connections).
+    fn backend_unhealthy(&self, backend: &Backend);
 }
 
 /// The decision core.
@@ -106,8 +109,8 @@ pub struct Core {
     pending_drops: parking_lot::Mutex<HashMap<prefix_index::ServerId, tokio::task::JoinHandle<()>>>,
     /// Told when a backend leaves the fleet (its metric series go, for one).
     on_left: parking_lot::Mutex<Vec<BackendListener>>,
-    /// Told of every request sent (the replica bus, when there is one).
-    on_sent: std::sync::OnceLock<Box<dyn SentListener>>,
+    /// Told of every request sent and backend lost (the replica bus, when there is one).
+    on_local: std::sync::OnceLock<Box<dyn LocalEvents>>,
 }
 
 impl Core {
@@ -133,7 +136,7 @@ impl Core {
             metrics: CoreMetrics::register(registry),
             pending_drops: Default::default(),
             on_left: Default::default(),
-            on_sent: Default::default(),
+            on_local: Default::default(),
         }
     }
 
@@ -152,9 +155,10 @@ impl Core {
         &self.strings.store
     }
 
-    /// Tells `listener` of every request sent from now on (one listener: false if one is set).
-    pub fn on_request_sent(&self, listener: Box<dyn SentListener>) -> bool {
-        self.on_sent.set(listener).is_ok()
+    /// Tells `listener` of every request sent and backend lost from now on (one listener:
+    /// false if one is set).
+    pub fn on_local_events(&self, listener: Box<dyn LocalEvents>) -> bool {
+        self.on_local.set(listener).is_ok()
     }
 
     /// The backend with this server id, if it is in the fleet.
@@ -345,7 +349,7 @@ impl Core {
         if let (Some(events), Some(names)) = (&self.events, block_names) {
             events.credit(backend.id, names.clone());
         }
-        if let Some(listener) = self.on_sent.get() {
+        if let Some(listener) = self.on_local.get() {
             let prompt = prompt.filter(|_| self.policy.needs_matches());
             if prompt.is_some() || block_names.is_some() {
                 listener.sent(prompt, block_names, backend);
@@ -389,6 +393,9 @@ impl Core {
             self.forget(backend.clone());
             if let Some(events) = &self.events {
                 events.forget(backend.id);
+            }
+            if let Some(listener) = self.on_local.get() {
+                listener.backend_unhealthy(backend);
             }
         }
     }

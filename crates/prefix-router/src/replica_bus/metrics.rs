@@ -31,6 +31,8 @@ pub struct BusMetrics {
     pub rejected: Family<ReasonLabels, Counter>,
     pub snapshots: Family<OutcomeLabels, Counter>,
     pub snapshot_entries: Counter,
+    pub unsynced_decisions: Counter,
+    pub health_reports: Counter,
 }
 
 impl BusMetrics {
@@ -45,6 +47,8 @@ impl BusMetrics {
             rejected: Family::default(),
             snapshots: Family::default(),
             snapshot_entries: Counter::default(),
+            unsynced_decisions: Counter::default(),
+            health_reports: Counter::default(),
         };
         let r = registry.sub_registry_with_prefix("prefix_router_replica_bus");
         r.register(
@@ -91,6 +95,16 @@ impl BusMetrics {
             "snapshot_entries",
             "Index entries merged from peers' snapshots",
             m.snapshot_entries.clone(),
+        );
+        r.register(
+            "unsynced_decisions",
+            "Requests routed before this replica caught up with its peers (since starting or reconnecting, until a snapshot is merged or no peer has one)",
+            m.unsynced_decisions.clone(),
+        );
+        r.register(
+            "health_reports",
+            "Peers' reports of a backend they found unhealthy, applied here as one failed check",
+            m.health_reports.clone(),
         );
         m
     }

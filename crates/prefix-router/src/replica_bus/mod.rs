@@ -18,6 +18,7 @@ mod metrics;
 mod peers;
 pub mod wire;
 
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -31,7 +32,7 @@ use tokio::sync::mpsc;
 
 use crate::core::backend::Backend;
 use crate::core::matches::PromptKey;
-use crate::core::{Core, SentListener};
+use crate::core::{Core, LocalEvents};
 use metrics::BusMetrics;
 use peers::PeerLoads;
 
@@ -67,30 +68,51 @@ pub struct ReplicaBus {
     /// This replica's id on the bus.
     pub replica: u64,
     metrics: Arc<BusMetrics>,
+    /// Whether this replica has caught up since it last (re)connected: a peer's snapshot was
+    /// merged, or no peer had one. Decisions made before are counted.
+    synced: AtomicBool,
 }
 
-/// Hands each decision to the publisher without waiting.
+/// What the publisher is handed.
+enum Outgoing {
+    Sent(wire::Sent),
+    Unhealthy(u64),
+}
+
+/// Hands decisions and health changes to the publisher without waiting.
 struct Outbox {
-    tx: mpsc::Sender<wire::Sent>,
-    metrics: Arc<BusMetrics>,
+    tx: mpsc::Sender<Outgoing>,
+    bus: Arc<ReplicaBus>,
 }
 
-impl SentListener for Outbox {
+impl Outbox {
+    fn hand(&self, out: Outgoing) {
+        if self.tx.try_send(out).is_err() {
+            self.bus.metrics.drop_decisions("outbox_full", 1);
+        }
+    }
+}
+
+impl LocalEvents for Outbox {
     fn sent(
         &self,
         prompt: Option<&PromptKey>,
         block_names: Option<&Arc<[u64]>>,
         backend: &Backend,
     ) {
-        let sent = wire::Sent {
+        if !self.bus.synced.load(Relaxed) {
+            self.bus.metrics.unsynced_decisions.inc();
+        }
+        self.hand(Outgoing::Sent(wire::Sent {
             backend: backend.id,
             t_ms: now_ms(),
             chunks: prompt.map_or_else(Vec::new, |p| p.chunks.as_slice().to_vec()),
             blocks: block_names.map(|b| b.to_vec()),
-        };
-        if self.tx.try_send(sent).is_err() {
-            self.metrics.drop_decisions("outbox_full", 1);
-        }
+        }));
+    }
+
+    fn backend_unhealthy(&self, backend: &Backend) {
+        self.hand(Outgoing::Unhealthy(backend.id));
     }
 }
 
@@ -123,9 +145,14 @@ impl ReplicaBus {
         );
         let metrics = Arc::new(BusMetrics::register(registry));
         let replica = replica_id();
+        let bus = Arc::new(Self {
+            replica,
+            metrics: metrics.clone(),
+            synced: AtomicBool::new(false),
+        });
         let (connected_tx, connected_rx) = mpsc::unbounded_channel();
         let client = {
-            let metrics = metrics.clone();
+            let bus = bus.clone();
             let url = settings.url.clone();
             async_nats::ConnectOptions::new()
                 .no_echo()
@@ -133,18 +160,19 @@ impl ReplicaBus {
                 .connection_timeout(Duration::from_secs(2))
                 .name(format!("prefix-router-{replica:016x}"))
                 .event_callback(move |event| {
-                    let (metrics, url, connected_tx) =
-                        (metrics.clone(), url.clone(), connected_tx.clone());
+                    let (bus, url, connected_tx) =
+                        (bus.clone(), url.clone(), connected_tx.clone());
                     async move {
                         match event {
                             async_nats::Event::Connected => {
                                 tracing::info!(bus = %url, "replica bus connected");
-                                metrics.connected.set(1);
+                                bus.metrics.connected.set(1);
                                 let _ = connected_tx.send(());
                             }
                             async_nats::Event::Disconnected => {
                                 tracing::warn!(bus = %url, "replica bus lost: routing from local state until it returns");
-                                metrics.connected.set(0);
+                                bus.metrics.connected.set(0);
+                                bus.synced.store(false, Relaxed);
                             }
                             other => tracing::debug!(bus = %url, event = %other, "replica bus event"),
                         }
@@ -158,14 +186,10 @@ impl ReplicaBus {
         let snapshot_subject = format!("{}.snapshot", settings.subject);
         let snapshot_requests = client.subscribe(snapshot_subject.clone()).await?;
         let (tx, rx) = mpsc::channel(OUTBOX);
-        core.on_request_sent(Box::new(Outbox {
+        core.on_local_events(Box::new(Outbox {
             tx,
-            metrics: metrics.clone(),
+            bus: bus.clone(),
         }));
-        let bus = Arc::new(Self {
-            replica,
-            metrics: metrics.clone(),
-        });
         let weak = Arc::downgrade(core);
         tokio::spawn(publish(
             client.clone(),
@@ -209,7 +233,6 @@ async fn while_alive<F: std::future::Future>(core: &Weak<Core>, next: F) -> Opti
 
 /// This replica's own load on every backend of its fleet.
 fn own_load(core: &Core) -> Vec<wire::Load> {
-    use std::sync::atomic::Ordering::Relaxed;
     core.fleet
         .snapshot()
         .iter()
@@ -227,21 +250,29 @@ async fn publish(
     client: async_nats::Client,
     subject: String,
     core: Weak<Core>,
-    mut outbox: mpsc::Receiver<wire::Sent>,
+    mut outbox: mpsc::Receiver<Outgoing>,
     bus: Arc<ReplicaBus>,
 ) {
     let metrics = &bus.metrics;
     let mut tick = tokio::time::interval(FLUSH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut handed = Vec::new();
     let mut sent = Vec::new();
+    let mut unhealthy = Vec::new();
     let mut told_load: Option<Vec<wire::Load>> = None;
     let mut told_at = Instant::now();
     let mut seq = 0u64;
     loop {
         let full = tokio::select! {
-            got = outbox.recv_many(&mut sent, MAX_BATCH) => {
+            got = outbox.recv_many(&mut handed, MAX_BATCH) => {
                 if got == 0 {
                     return;
+                }
+                for out in handed.drain(..) {
+                    match out {
+                        Outgoing::Sent(s) => sent.push(s),
+                        Outgoing::Unhealthy(id) => unhealthy.push(id),
+                    }
                 }
                 sent.len() >= MAX_BATCH
             }
@@ -256,12 +287,14 @@ async fn publish(
         let load = own_load(&core);
         drop(core);
         let load_changed = told_load.as_ref() != Some(&load);
-        if sent.is_empty() && !load_changed && told_at.elapsed() < HEARTBEAT {
+        if sent.is_empty() && unhealthy.is_empty() && !load_changed && told_at.elapsed() < HEARTBEAT
+        {
             continue;
         }
         if client.connection_state() != State::Connected {
             metrics.drop_decisions("disconnected", sent.len() as u64);
             sent.clear();
+            unhealthy.clear();
             told_load = None;
             continue;
         }
@@ -272,6 +305,7 @@ async fn publish(
             seq,
             sent: std::mem::take(&mut sent),
             load: Some(load.clone()),
+            unhealthy: std::mem::take(&mut unhealthy),
         });
         let bytes = frame.len() as u64;
         match client.publish(subject.clone(), Bytes::from(frame)).await {
@@ -334,6 +368,17 @@ async fn apply(mut batches: async_nats::Subscriber, core: Weak<Core>, bus: Arc<R
         if has_load {
             set_remote_load(&core, &peers.lock());
         }
+        for id in batch.unhealthy {
+            match core.backend(id) {
+                Some(backend) if backend.is_healthy() => {
+                    tracing::info!(backend = backend.url(), "replica bus: a peer found the backend unhealthy; counted as a failed check here");
+                    metrics.health_reports.inc();
+                    core.backend_failed(&backend);
+                }
+                Some(_) => {}
+                None => metrics.reject("unknown_backend"),
+            }
+        }
         let latest = now_ms() + MAX_CLOCK_AHEAD_MS;
         for sent in batch.sent {
             let Some(backend) = core.backend(sent.backend) else {
@@ -351,7 +396,6 @@ async fn apply(mut batches: async_nats::Subscriber, core: Weak<Core>, bus: Arc<R
 
 /// Writes the live peers' summed load into every backend (zero where none holds any).
 fn set_remote_load(core: &Core, peers: &PeerLoads) {
-    use std::sync::atomic::Ordering::Relaxed;
     let totals = peers.totals();
     for b in core.fleet.snapshot().iter() {
         let t = totals.get(&b.id).copied().unwrap_or_default();
@@ -433,6 +477,12 @@ async fn fetch_snapshots(
             Ok(entries) => {
                 tracing::info!(entries, "replica bus: merged a peer's index snapshot");
                 bus.metrics.snapshot("applied");
+                bus.synced.store(true, Relaxed);
+            }
+            Err("no_peer") => {
+                tracing::info!("replica bus: no peer to ask for a snapshot (the first replica)");
+                bus.metrics.snapshot("no_peer");
+                bus.synced.store(true, Relaxed);
             }
             Err(outcome) => {
                 tracing::info!(outcome, "replica bus: no index snapshot merged");
@@ -506,9 +556,7 @@ async fn fetch_snapshot(
                 .into_iter()
                 .find(|s| s.server_id == backend.id)
             {
-                backend
-                    .entries
-                    .store(info.entries, std::sync::atomic::Ordering::Relaxed);
+                backend.entries.store(info.entries, Relaxed);
             }
         }
         seen += 1;

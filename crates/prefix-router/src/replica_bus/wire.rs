@@ -42,6 +42,9 @@ pub struct Batch {
     pub sent: Vec<Sent>,
     /// Its load on every backend it knows, when it changed (and as a heartbeat).
     pub load: Option<Vec<Load>>,
+    /// Backends it just found unhealthy.
+    #[serde(default)]
+    pub unhealthy: Vec<u64>,
 }
 
 /// A server's index entries in a snapshot: `(server, [(hash, depth, last_used ms)])`.
@@ -127,6 +130,7 @@ mod tests {
                 waiting_first_byte: 1,
                 queued_prefill_tokens: 900,
             }]),
+            unhealthy: vec![5],
         }
     }
 
