@@ -162,9 +162,26 @@ impl StringIndex {
             .await
     }
 
-    /// Records that a request of these chunks went to `backend` at `t` (this router's own
-    /// requests, or another replica's told over the bus).
-    pub async fn notify_at(&self, chunks: &PrefixHashes, backend: &Backend, t: Tick) {
+    /// Another router replica sent a request of these chunks to `backend` at `t` (told over
+    /// the replica bus, which needs the memory store): applied at once, without the timeout
+    /// and latency bookkeeping of a request's own notify.
+    pub fn notify_from_peer(&self, chunks: &PrefixHashes, backend: &Backend, t: Tick) {
+        let Some(memory) = self.store.as_memory() else {
+            return;
+        };
+        match memory.notify_now(chunks, backend.id, t) {
+            Ok(out) => self.count_entries(backend, out),
+            Err(e) => self.failed("notify", &e.to_string()),
+        }
+    }
+
+    fn count_entries(&self, backend: &Backend, out: prefix_index::NotifyOutcome) {
+        let entries = &backend.entries;
+        let now = entries.load(Relaxed);
+        entries.store((now + out.inserted).saturating_sub(out.evicted), Relaxed);
+    }
+
+    async fn notify_at(&self, chunks: &PrefixHashes, backend: &Backend, t: Tick) {
         let start = Instant::now();
         let result =
             tokio::time::timeout(self.timeout, self.store.notify(chunks, backend.id, t)).await;
@@ -172,9 +189,7 @@ impl StringIndex {
         match result {
             Ok(Ok(out)) => {
                 self.ok();
-                let entries = &backend.entries;
-                let now = entries.load(Relaxed);
-                entries.store((now + out.inserted).saturating_sub(out.evicted), Relaxed);
+                self.count_entries(backend, out);
             }
             Ok(Err(e)) => self.failed("notify", &e.to_string()),
             Err(_) => self.failed("notify", "timed out"),

@@ -168,7 +168,7 @@ impl Core {
 
     /// Another router replica sent a request to `backend` at `t`: the string index (and in
     /// precise mode the backend's block credits) learn it as if this router had sent it.
-    pub async fn peer_sent(
+    pub fn peer_sent(
         &self,
         chunks: &prefix_index::PrefixHashes,
         block_names: Option<Arc<[u64]>>,
@@ -176,7 +176,7 @@ impl Core {
         t: prefix_index::Tick,
     ) {
         if !chunks.is_empty() && self.policy.needs_matches() {
-            self.strings.notify_at(chunks, backend, t).await;
+            self.strings.notify_from_peer(chunks, backend, t);
         }
         if let (Some(events), Some(names)) = (&self.events, block_names) {
             events.credit(backend.id, names);

@@ -44,8 +44,10 @@ pub const HEARTBEAT: Duration = Duration::from_millis(500);
 pub const PEER_SILENCE: Duration = Duration::from_secs(3);
 /// Decisions waiting for the publisher; beyond, they are dropped and counted.
 const OUTBOX: usize = 65_536;
-/// Decisions per frame at most.
-const MAX_BATCH: usize = 1_024;
+/// Hashes (chunks and blocks) per frame at most: about 0.5 MB before compression, under
+/// NATS's 1 MB default message limit. A longer request is told by its first this many chunks
+/// (a prefix of its chain is a valid, shorter request to the index).
+const MAX_FRAME_HASHES: usize = 56_000;
 /// Index entries per snapshot part (about 0.5 MB before compression: under NATS's 1 MB
 /// default message limit).
 const SNAPSHOT_PART_ENTRIES: usize = 25_000;
@@ -79,9 +81,11 @@ enum Outgoing {
     Unhealthy(u64),
 }
 
-/// Hands decisions and health changes to the publisher without waiting.
+/// Hands decisions and health changes to the publisher without waiting, and without waking
+/// it: a std channel the publisher drains on its tick, so a request costs a copy of its hashes
+/// and one lock-free push, not a task wake-up.
 struct Outbox {
-    tx: mpsc::Sender<Outgoing>,
+    tx: std::sync::mpsc::SyncSender<Outgoing>,
     bus: Arc<ReplicaBus>,
 }
 
@@ -185,7 +189,7 @@ impl ReplicaBus {
         let batches = client.subscribe(settings.subject.clone()).await?;
         let snapshot_subject = format!("{}.snapshot", settings.subject);
         let snapshot_requests = client.subscribe(snapshot_subject.clone()).await?;
-        let (tx, rx) = mpsc::channel(OUTBOX);
+        let (tx, rx) = std::sync::mpsc::sync_channel(OUTBOX);
         core.on_local_events(Box::new(Outbox {
             tx,
             bus: bus.clone(),
@@ -250,36 +254,27 @@ async fn publish(
     client: async_nats::Client,
     subject: String,
     core: Weak<Core>,
-    mut outbox: mpsc::Receiver<Outgoing>,
+    outbox: std::sync::mpsc::Receiver<Outgoing>,
     bus: Arc<ReplicaBus>,
 ) {
     let metrics = &bus.metrics;
     let mut tick = tokio::time::interval(FLUSH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut handed = Vec::new();
     let mut sent = Vec::new();
     let mut unhealthy = Vec::new();
     let mut told_load: Option<Vec<wire::Load>> = None;
     let mut told_at = Instant::now();
     let mut seq = 0u64;
     loop {
-        let full = tokio::select! {
-            got = outbox.recv_many(&mut handed, MAX_BATCH) => {
-                if got == 0 {
-                    return;
-                }
-                for out in handed.drain(..) {
-                    match out {
-                        Outgoing::Sent(s) => sent.push(s),
-                        Outgoing::Unhealthy(id) => unhealthy.push(id),
-                    }
-                }
-                sent.len() >= MAX_BATCH
+        tick.tick().await;
+        loop {
+            match outbox.try_recv() {
+                Ok(Outgoing::Sent(s)) => sent.push(s),
+                Ok(Outgoing::Unhealthy(id)) => unhealthy.push(id),
+                Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                // The core (which holds the sender) is gone.
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
             }
-            _ = tick.tick() => true,
-        };
-        if !full {
-            continue;
         }
         let Some(core) = core.upgrade() else {
             return;
@@ -298,28 +293,54 @@ async fn publish(
             told_load = None;
             continue;
         }
-        seq += 1;
-        let decisions = sent.len() as u64;
-        let frame = wire::encode(&wire::Batch {
-            replica: bus.replica,
-            seq,
-            sent: std::mem::take(&mut sent),
-            load: Some(load.clone()),
-            unhealthy: std::mem::take(&mut unhealthy),
-        });
-        let bytes = frame.len() as u64;
-        match client.publish(subject.clone(), Bytes::from(frame)).await {
-            Ok(()) => {
-                metrics.count(&metrics.messages, "sent", 1);
-                metrics.count(&metrics.bytes, "sent", bytes);
-                metrics.count(&metrics.decisions, "sent", decisions);
-                told_load = Some(load);
-                told_at = Instant::now();
+        let mut load = Some(load);
+        let mut unhealthy = std::mem::take(&mut unhealthy);
+        let mut rest = std::mem::take(&mut sent).into_iter().peekable();
+        // One frame at least (the load table, a heartbeat), more when the decisions are many.
+        loop {
+            let mut frame_sent = Vec::new();
+            let mut hashes = 0;
+            while let Some(next) = rest.peek() {
+                let size = next.chunks.len() + next.blocks.as_ref().map_or(0, Vec::len);
+                if !frame_sent.is_empty() && hashes + size > MAX_FRAME_HASHES {
+                    break;
+                }
+                let mut next = rest.next().expect("peeked");
+                next.chunks.truncate(MAX_FRAME_HASHES / 2);
+                if let Some(blocks) = &mut next.blocks {
+                    blocks.truncate(MAX_FRAME_HASHES / 2);
+                }
+                hashes += size.min(MAX_FRAME_HASHES);
+                frame_sent.push(next);
             }
-            Err(e) => {
-                tracing::debug!(error = %e, "replica bus publish failed");
-                metrics.drop_decisions("publish_failed", decisions);
-                told_load = None;
+            seq += 1;
+            let decisions = frame_sent.len() as u64;
+            let frame = wire::encode(&wire::Batch {
+                replica: bus.replica,
+                seq,
+                sent: frame_sent,
+                load: load.clone(),
+                unhealthy: std::mem::take(&mut unhealthy),
+            });
+            let bytes = frame.len() as u64;
+            match client.publish(subject.clone(), Bytes::from(frame)).await {
+                Ok(()) => {
+                    metrics.count(&metrics.messages, "sent", 1);
+                    metrics.count(&metrics.bytes, "sent", bytes);
+                    metrics.count(&metrics.decisions, "sent", decisions);
+                    if let Some(load) = load.take() {
+                        told_load = Some(load);
+                        told_at = Instant::now();
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "replica bus publish failed");
+                    metrics.drop_decisions("publish_failed", decisions);
+                    told_load = None;
+                }
+            }
+            if rest.peek().is_none() {
+                break;
             }
         }
     }
@@ -388,7 +409,7 @@ async fn apply(mut batches: async_nats::Subscriber, core: Weak<Core>, bus: Arc<R
             let chunks = PrefixHashes::from_raw(sent.chunks);
             let blocks = sent.blocks.map(Arc::<[u64]>::from);
             let t = Tick::from_millis(sent.t_ms.min(latest));
-            core.peer_sent(&chunks, blocks, &backend, t).await;
+            core.peer_sent(&chunks, blocks, &backend, t);
             metrics.count(&metrics.decisions, "received", 1);
         }
     }
