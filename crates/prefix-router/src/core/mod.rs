@@ -86,7 +86,7 @@ type BackendListener = Box<dyn Fn(&Backend) + Send + Sync>;
 /// Hears what this router does and sees that other replicas should know (the replica bus
 /// tells them). Called on the request path and from health checks: it must not wait.
 pub trait LocalEvents: Send + Sync {
-    /// A request was sent to `backend`.
+    /// A request was sent to `backend` (with what the indexes match of it, if anything).
     fn sent(&self, prompt: Option<&PromptKey>, block_names: Option<&Arc<[u64]>>, backend: &Backend);
     /// `backend` just left the candidates (failed checks or connections).
     fn backend_unhealthy(&self, backend: &Backend);
@@ -351,9 +351,7 @@ impl Core {
         }
         if let Some(listener) = self.on_local.get() {
             let prompt = prompt.filter(|_| self.policy.needs_matches());
-            if prompt.is_some() || block_names.is_some() {
-                listener.sent(prompt, block_names, backend);
-            }
+            listener.sent(prompt, block_names, backend);
         }
     }
 

@@ -18,7 +18,7 @@ mod metrics;
 mod peers;
 pub mod wire;
 
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -40,6 +40,9 @@ use peers::PeerLoads;
 pub const FLUSH_EVERY: Duration = Duration::from_millis(2);
 /// A replica with nothing to say still publishes its load this often.
 pub const HEARTBEAT: Duration = Duration::from_millis(500);
+/// With nothing in flight here and nothing new for this many ticks, the publisher sleeps
+/// until a request wakes it (or the heartbeat is due): an idle replica costs no timer wake-ups.
+const IDLE_TICKS: u32 = 50;
 /// A peer not heard from for this long is forgotten (its load no longer counts).
 pub const PEER_SILENCE: Duration = Duration::from_secs(3);
 /// Decisions waiting for the publisher; beyond, they are dropped and counted.
@@ -73,6 +76,9 @@ pub struct ReplicaBus {
     /// Whether this replica has caught up since it last (re)connected: a peer's snapshot was
     /// merged, or no peer had one. Decisions made before are counted.
     synced: AtomicBool,
+    /// Set while the publisher sleeps (idle); the next request wakes it through `wake`.
+    sleeping: AtomicBool,
+    wake: tokio::sync::Notify,
 }
 
 /// What the publisher is handed.
@@ -94,6 +100,16 @@ impl Outbox {
         if self.tx.try_send(out).is_err() {
             self.bus.metrics.drop_decisions("outbox_full", 1);
         }
+        self.wake_publisher();
+    }
+
+    /// Wakes an idle publisher (one wake-up per idle period; an atomic load otherwise). The
+    /// fence pairs with the publisher's: either it sees what was handed, or this sees it asleep.
+    fn wake_publisher(&self) {
+        std::sync::atomic::fence(SeqCst);
+        if self.bus.sleeping.load(SeqCst) && self.bus.sleeping.swap(false, SeqCst) {
+            self.bus.wake.notify_one();
+        }
     }
 }
 
@@ -106,6 +122,11 @@ impl LocalEvents for Outbox {
     ) {
         if !self.bus.synced.load(Relaxed) {
             self.bus.metrics.unsynced_decisions.inc();
+        }
+        if prompt.is_none() && block_names.is_none() {
+            // Nothing to match: only its load, which the next tick tells.
+            self.wake_publisher();
+            return;
         }
         self.hand(Outgoing::Sent(wire::Sent {
             backend: backend.id,
@@ -153,6 +174,8 @@ impl ReplicaBus {
             replica,
             metrics: metrics.clone(),
             synced: AtomicBool::new(false),
+            sleeping: AtomicBool::new(false),
+            wake: tokio::sync::Notify::new(),
         });
         let (connected_tx, connected_rx) = mpsc::unbounded_channel();
         let client = {
@@ -265,23 +288,57 @@ async fn publish(
     let mut told_load: Option<Vec<wire::Load>> = None;
     let mut told_at = Instant::now();
     let mut seq = 0u64;
+    let mut idle_ticks = 0u32;
+    let take = |out: Outgoing, sent: &mut Vec<wire::Sent>, unhealthy: &mut Vec<u64>| match out {
+        Outgoing::Sent(s) => sent.push(s),
+        Outgoing::Unhealthy(id) => unhealthy.push(id),
+    };
     loop {
-        tick.tick().await;
+        let handed = sent.len() + unhealthy.len();
+        let nothing_here = told_load
+            .as_ref()
+            .is_some_and(|l| l.iter().all(|l| l.inflight == 0));
+        if idle_ticks >= IDLE_TICKS && nothing_here {
+            bus.sleeping.store(true, SeqCst);
+            std::sync::atomic::fence(SeqCst);
+            // Handed before the flag could be seen: not left waiting for the sleep to end.
+            match outbox.try_recv() {
+                Ok(out) => take(out, &mut sent, &mut unhealthy),
+                Err(std::sync::mpsc::TryRecvError::Empty) => {
+                    let sleep = tokio::time::sleep(HEARTBEAT.saturating_sub(told_at.elapsed()));
+                    tokio::select! {
+                        _ = bus.wake.notified() => {}
+                        _ = sleep => {}
+                    }
+                }
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
+            }
+            bus.sleeping.store(false, SeqCst);
+            idle_ticks = 0;
+            tick.reset();
+        } else {
+            tick.tick().await;
+        }
         loop {
             match outbox.try_recv() {
-                Ok(Outgoing::Sent(s)) => sent.push(s),
-                Ok(Outgoing::Unhealthy(id)) => unhealthy.push(id),
+                Ok(out) => take(out, &mut sent, &mut unhealthy),
                 Err(std::sync::mpsc::TryRecvError::Empty) => break,
                 // The core (which holds the sender) is gone.
                 Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
             }
         }
+        let idle = sent.len() + unhealthy.len() == handed;
         let Some(core) = core.upgrade() else {
             return;
         };
         let load = own_load(&core);
         drop(core);
         let load_changed = told_load.as_ref() != Some(&load);
+        if idle && !load_changed {
+            idle_ticks = idle_ticks.saturating_add(1);
+        } else {
+            idle_ticks = 0;
+        }
         if sent.is_empty() && unhealthy.is_empty() && !load_changed && told_at.elapsed() < HEARTBEAT
         {
             continue;
