@@ -37,7 +37,7 @@ use metrics::BusMetrics;
 use peers::PeerLoads;
 
 /// How often decisions and load changes are published.
-pub const FLUSH_EVERY: Duration = Duration::from_millis(2);
+pub const FLUSH_EVERY: Duration = Duration::from_millis(5);
 /// A replica with nothing to say still publishes its load this often.
 pub const HEARTBEAT: Duration = Duration::from_millis(500);
 /// With nothing in flight here and nothing new for this many ticks, the publisher sleeps
