@@ -276,6 +276,10 @@ async fn a_bus_outage_loses_no_request_and_the_replicas_converge_again() {
         })
     };
     tokio::time::sleep(Duration::from_millis(800)).await;
+    let applied = |url: String| async move {
+        metric(&url, "prefix_router_replica_bus_snapshots_total", "applied").await
+    };
+    let applied_before = applied(a.url()).await + applied(b.url()).await;
     let port = nats.port;
     nats.kill();
     assert!(
@@ -287,6 +291,7 @@ async fn a_bus_outage_loses_no_request_and_the_replicas_converge_again() {
     );
     tokio::time::sleep(Duration::from_secs(1)).await;
     let _nats = Nats::start_on(port).await.expect("nats-server restarts");
+    let back = Instant::now();
     let statuses = load.await.unwrap();
     assert!(
         statuses.iter().all(|&s| s == 200),
@@ -294,6 +299,19 @@ async fn a_bus_outage_loses_no_request_and_the_replicas_converge_again() {
         statuses.iter().filter(|&&s| s != 200).count()
     );
     until_connected(&[&a.url(), &b.url()]).await;
+    // Each replica asks for a snapshot on reconnecting; the one that reconnects second gets
+    // the other's index.
+    assert!(
+        eventually(20, || async {
+            applied(a.url()).await + applied(b.url()).await > applied_before
+        })
+        .await,
+        "no snapshot merged after the bus returned"
+    );
+    eprintln!(
+        "bus back: reconnected and a peer's index merged {:?} after nats-server restarted",
+        back.elapsed()
+    );
     assert!(
         metric(
             &a.url(),
