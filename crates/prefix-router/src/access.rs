@@ -45,6 +45,8 @@ fn read_key(path: &std::path::Path) -> anyhow::Result<String> {
 pub struct Keys {
     api: Option<Arc<[u8]>>,
     admin: Option<Arc<[u8]>>,
+    /// The keys file's tenants (`--api-keys-file`): their keys are clients' keys too.
+    tenants: Option<Arc<crate::tenants::Tenants>>,
 }
 
 impl AccessArgs {
@@ -65,6 +67,7 @@ impl AccessArgs {
         Ok(Keys {
             api: api.map(|k| Arc::from(k.into_bytes())),
             admin: admin.map(|k| Arc::from(k.into_bytes())),
+            tenants: None,
         })
     }
 }
@@ -85,8 +88,14 @@ fn matches(given: &[u8], key: &Option<Arc<[u8]>>) -> bool {
 }
 
 impl Keys {
+    /// These keys and the keys file's tenants.
+    pub fn with_tenants(mut self, tenants: Arc<crate::tenants::Tenants>) -> Self {
+        self.tenants = Some(tenants);
+        self
+    }
+
     pub fn is_open(&self) -> bool {
-        self.api.is_none() && self.admin.is_none()
+        self.api.is_none() && self.admin.is_none() && self.tenants.is_none()
     }
 
     /// Whether a request bearing `token` may do what `need` says; the error to answer if not.
@@ -100,9 +109,10 @@ impl Keys {
         };
         match need {
             Need::Open => Ok(()),
-            Need::Client => match (&self.api, &self.admin) {
-                (None, _) => Ok(()),
+            Need::Client => match (&self.api, &self.admin, &self.tenants) {
+                (None, _, None) => Ok(()),
                 _ if matches(token, &self.api) || matches(token, &self.admin) => Ok(()),
+                (_, _, Some(t)) if t.identify(token).is_some() => Ok(()),
                 _ => Err(unauthorized()),
             },
             Need::Admin => match (&self.admin, &self.api) {
@@ -139,6 +149,13 @@ pub async fn guard(
     if !keys.is_open() {
         if let Err(e) = keys.check(classify(&req), bearer(&req)) {
             return e.into_response();
+        }
+    }
+    let mut req = req;
+    if let Some(tenants) = &keys.tenants {
+        // The front end reads the tenant (priority, limits) from the request.
+        if let Some(tenant) = bearer(&req).and_then(|t| tenants.identify(t)) {
+            req.extensions_mut().insert(tenant);
         }
     }
     next.run(req).await

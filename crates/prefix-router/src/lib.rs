@@ -18,4 +18,5 @@ pub mod replica_bus;
 pub mod serve;
 pub mod server;
 pub mod store_args;
+pub mod tenants;
 pub mod upstream;

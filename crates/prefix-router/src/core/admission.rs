@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
+
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -27,6 +28,10 @@ use prometheus_client::registry::Registry;
 use tokio::sync::{oneshot, Notify};
 
 use super::policy::{predicted_ttft, CandidateRow};
+
+/// Priorities a request may have (`x-priority`, a tenant's class): a small range keeps the
+/// queue's metric series bounded.
+pub const PRIORITIES: std::ops::RangeInclusive<i32> = -100..=100;
 
 /// When a backend counts as saturated, and how much the queue may hold.
 #[derive(Clone, Debug)]

@@ -146,6 +146,8 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub access: crate::access::AccessArgs,
     #[command(flatten)]
+    pub tenants: crate::tenants::TenantsArgs,
+    #[command(flatten)]
     pub limits: crate::server::ServerLimits,
     #[command(flatten)]
     pub queue: QueueArgs,

@@ -160,6 +160,12 @@ pub async fn gateway(args: &ServeArgs) -> anyhow::Result<Arc<Gateway>> {
         )
         .await?;
     }
+    let mut keys = args.access.keys()?;
+    if let Some(path) = &args.tenants.api_keys_file {
+        let tenants = crate::tenants::Tenants::load(path, &mut registry)?;
+        tenants.watch();
+        keys = keys.with_tenants(tenants);
+    }
     let metrics = Arc::new(GatewayMetrics::register(&mut registry));
     {
         let metrics = metrics.clone();
@@ -205,7 +211,7 @@ pub async fn gateway(args: &ServeArgs) -> anyhow::Result<Arc<Gateway>> {
         monitor,
         metrics,
         registry,
-        keys: args.access.keys()?,
+        keys,
     }))
 }
 

@@ -20,6 +20,7 @@ use crate::core::backend::{Backend, InflightGuard};
 use crate::core::matches::PromptKey;
 use crate::core::RequestInput;
 use crate::json_body::read_body;
+use crate::tenants::{Limited, Tenant, TenantGuard};
 
 impl From<InvalidRequest> for ApiError {
     fn from(e: InvalidRequest) -> Self {
@@ -31,20 +32,21 @@ fn bad_gateway(why: impl std::fmt::Display) -> Response {
     ApiError::new(StatusCode::BAD_GATEWAY, format!("backend failure: {why}")).into_response()
 }
 
-/// Priorities a request may ask for in `x-priority` (a small range keeps the queue's metric
-/// series bounded).
-const PRIORITIES: std::ops::RangeInclusive<i32> = -100..=100;
+use crate::core::admission::PRIORITIES;
 
-/// The request's priority (`x-priority`, higher first; 0 without one).
-fn priority(headers: &HeaderMap) -> Result<i32, ApiError> {
+/// The request's priority: `x-priority` (higher first), else its tenant's (the keys file), else
+/// 0. A tenant's priority is also the most its requests may ask for.
+fn priority(headers: &HeaderMap, tenant: Option<&Tenant>) -> Result<i32, ApiError> {
+    let ceiling = tenant.map(Tenant::priority);
     let Some(value) = headers.get("x-priority") else {
-        return Ok(0);
+        return Ok(ceiling.unwrap_or(0));
     };
     value
         .to_str()
         .ok()
         .and_then(|v| v.trim().parse::<i32>().ok())
         .filter(|p| PRIORITIES.contains(p))
+        .map(|p| ceiling.map_or(p, |c| p.min(c)))
         .ok_or_else(|| {
             ApiError::bad_request(format!(
                 "x-priority must be an integer from {} to {}",
@@ -54,9 +56,13 @@ fn priority(headers: &HeaderMap) -> Result<i32, ApiError> {
         })
 }
 
-/// The request's tenant for the queue's turns: the tenant header, else its bearer token (as a
-/// hash: the queue never holds a key), else everyone without either is one tenant.
-fn tenant(headers: &HeaderMap, tenant_header: &HeaderName) -> u64 {
+/// The request's tenant for the queue's turns: its tenant in the keys file, else the tenant
+/// header, else its bearer token (as a hash: the queue never holds a key), else everyone
+/// without either is one tenant.
+fn fairness_key(headers: &HeaderMap, tenant_header: &HeaderName, known: Option<&Tenant>) -> u64 {
+    if let Some(t) = known {
+        return xxhash_rust::xxh3::xxh3_64_with_seed(t.name.as_bytes(), 3);
+    }
     let named = headers.get(tenant_header).map(|v| (1u8, v));
     let keyed = || {
         headers
@@ -92,11 +98,38 @@ fn refused(r: Refused) -> Response {
     response
 }
 
+/// A request its tenant's limits refuse: 429 with the time after which a retry may pass.
+fn limited(tenant: &Tenant, why: Limited) -> Response {
+    let (message, retry_after) = match why {
+        Limited::Rate { retry_after } => (
+            format!(
+                "tenant {} is over its request rate; retry later",
+                tenant.name
+            ),
+            retry_after,
+        ),
+        Limited::Concurrency => (
+            format!(
+                "tenant {} has as many requests in flight as it may; retry when one ends",
+                tenant.name
+            ),
+            std::time::Duration::from_secs(1),
+        ),
+    };
+    let mut response = ApiError::new(StatusCode::TOO_MANY_REQUESTS, message).into_response();
+    response.headers_mut().insert(
+        axum::http::header::RETRY_AFTER,
+        HeaderValue::from(retry_after.as_secs_f64().ceil().max(1.0) as u64),
+    );
+    response
+}
+
 /// The request path of every proxied endpoint.
 pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Response {
     let received = Instant::now();
     let (parts, body) = req.into_parts();
-    let priority = match priority(&parts.headers) {
+    let tenant = parts.extensions.get::<Arc<Tenant>>().cloned();
+    let priority = match priority(&parts.headers, tenant.as_deref()) {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
@@ -131,13 +164,26 @@ pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Respon
             .into_response(),
         };
     }
+    // Within its tenant's rate and cap (held until the answer's last byte), or refused
+    // before it waits or takes anything.
+    let tenant_guard = match &tenant {
+        Some(t) => match t.admit(Instant::now()) {
+            Ok(guard) => Some(guard),
+            Err(why) => return limited(t, why),
+        },
+        None => None,
+    };
     // Held here while the fleet is saturated; matched and routed once let go, on the state
     // it will meet.
     let permit = match &gw.admission {
         Some(admission) => {
             let ticket = Ticket {
                 priority,
-                tenant: tenant(&parts.headers, &gw.settings.tenant_header),
+                tenant: fairness_key(
+                    &parts.headers,
+                    &gw.settings.tenant_header,
+                    tenant.as_deref(),
+                ),
                 model: known.then(|| model.clone()),
             };
             match admission.admit(ticket).await {
@@ -182,6 +228,7 @@ pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Respon
             received,
             model,
             permit,
+            tenant_guard,
         },
         decision.order,
         &decision.uncached,
@@ -239,6 +286,8 @@ struct Outgoing {
     model: Arc<str>,
     /// Its admission: used up once the request is counted against a backend.
     permit: Permit,
+    /// Its place under its tenant's concurrency cap, held until the answer ends.
+    tenant_guard: Option<TenantGuard>,
 }
 
 /// Sends the request to the first backend of `order`, moving on after a connection error or a
@@ -265,7 +314,9 @@ async fn forward(
         received,
         model,
         permit,
+        tenant_guard,
     } = req;
+    let mut tenant_guard = tenant_guard;
     let load_eased = permit.waker();
     let mut permit = Some(permit);
     let request_id = proxy::request_id(&parts.headers);
@@ -357,7 +408,9 @@ async fn forward(
             Ok(Ok(resp)) => {
                 let gw2 = gw.clone();
                 let b2 = backend.clone();
+                let held = tenant_guard.take();
                 let on_end = move |ended: proxy::Ended| {
+                    drop(held);
                     if let (200, Some(tokens)) = (ended.status, ended.prompt_tokens) {
                         b2.observe_prompt(text_bytes, tokens);
                     }
