@@ -127,12 +127,19 @@ fn scalar(v: &Value) -> String {
 fn eval(expr: &str, ctx: &Value) -> String {
     let mut stages = expr.split('|').map(str::trim);
     let head = stages.next().unwrap();
-    let mut out = match head.strip_prefix("toYaml ") {
-        Some(path) => serde_norway::to_string(lookup(ctx, path))
+    let mut out = if let Some(path) = head.strip_prefix("toYaml ") {
+        serde_norway::to_string(lookup(ctx, path))
             .unwrap()
             .trim_end()
-            .to_owned(),
-        None => scalar(lookup(ctx, head)),
+            .to_owned()
+    } else if let Some(file) = head.strip_prefix(".Files.Get ") {
+        let dir = PathBuf::from(ctx["ChartDir"].as_str().unwrap());
+        std::fs::read_to_string(dir.join(file.trim().trim_matches('"')))
+            .unwrap_or_else(|e| panic!("{file}: {e}"))
+            .trim_end()
+            .to_owned()
+    } else {
+        scalar(lookup(ctx, head))
     };
     for stage in stages {
         out = match stage.split_whitespace().collect::<Vec<_>>().as_slice() {
@@ -195,6 +202,7 @@ fn render_chart(dir: &Path, values: Value) -> Vec<Value> {
     .unwrap();
     let mut ctx = ctx;
     ctx["Values"] = values;
+    ctx["ChartDir"] = Value::from(dir.display().to_string());
     ctx["Chart"] = serde_norway::to_value(serde_json::json!({"Name": chart["name"].as_str(), "AppVersion": chart["appVersion"].as_str()})).unwrap();
     let mut all = Vec::new();
     let mut templates: Vec<_> = std::fs::read_dir(dir.join("templates"))
@@ -274,4 +282,29 @@ fn the_helm_chart_renders_with_its_values() {
     std::fs::remove_file(&file).unwrap();
     assert_eq!(args.replica_bus.as_deref(), Some("nats://r1-nats:4222"));
     assert_eq!(args.replica_bus_subject, "prefix-router");
+
+    // The dashboard for Grafana's sidecar: the same JSON as deploy/grafana, labelled.
+    let mut graf =
+        serde_norway::from_str::<Value>(&std::fs::read_to_string(dir.join("values.yaml")).unwrap())
+            .unwrap();
+    assert!(!render_chart(&dir, graf.clone())
+        .iter()
+        .any(|d| d["metadata"]["name"].as_str() == Some("r1-prefix-router-dashboard")));
+    graf["grafana"]["dashboard"] = Value::from(true);
+    let all = render_chart(&dir, graf);
+    let cm = all
+        .iter()
+        .find(|d| d["metadata"]["name"].as_str() == Some("r1-prefix-router-dashboard"))
+        .expect("the dashboard ConfigMap");
+    assert_eq!(
+        get(cm, "metadata.labels.grafana_dashboard").as_str(),
+        Some("1")
+    );
+    let shipped: serde_json::Value =
+        serde_json::from_str(cm["data"]["prefix-router.json"].as_str().unwrap()).unwrap();
+    let source: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(deploy().join("grafana/prefix-router.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(shipped, source);
 }

@@ -192,6 +192,30 @@ async fn prefix_routing_lands_where_vllm_counts_the_hits() {
     );
 }
 
+/// Every vLLM metric the Grafana dashboard queries is one real vLLM exposes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboards_vllm_metrics_exist_on_real_vllm() {
+    let Some(fleet) = vllm::shared(SERVERS).await else {
+        return;
+    };
+    let text = common::metrics_text(&fleet.urls[0]).await;
+    let exposed: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .collect();
+    let wanted: Vec<String> = common::dashboard::queried_metrics()
+        .into_iter()
+        .filter(|m| m.starts_with("vllm:"))
+        .collect();
+    assert!(!wanted.is_empty());
+    let missing: Vec<&String> = wanted
+        .iter()
+        .filter(|m| !exposed.contains(&m.as_str()))
+        .collect();
+    assert!(missing.is_empty(), "not on real vLLM: {missing:?}");
+}
+
 /// What a client gets through the router equals what vLLM answers directly: the generated text
 /// and the usage, streamed and not, chat and completions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -257,6 +257,14 @@ impl AdmissionMetrics {
             "Requests that left without being admitted: queue full (429), queue timeout (503), client gone",
             m.left.clone(),
         );
+        // The default priority's series exist before anything queues (dashboards, alerts).
+        drop(m.depth.get_or_create(&PriorityLabels { priority: 0 }));
+        for reason in ["full", "timeout", "cancelled"] {
+            drop(m.left.get_or_create(&LeftLabels {
+                priority: 0,
+                reason,
+            }));
+        }
         m
     }
 }

@@ -105,6 +105,10 @@ impl StringIndex {
             "Prefix store operation latency",
             metrics.latency.clone(),
         );
+        // Zero before the first failure, so that rates and alerts have a series to work on.
+        for op in ["query", "notify"] {
+            drop(metrics.errors.get_or_create(&OpLabels { op }));
+        }
         Self {
             store,
             hasher,

@@ -34,6 +34,8 @@ struct FleetGauges {
     inflight: Family<BackendLabels, Gauge>,
     healthy: Family<BackendLabels, Gauge>,
     capacity: Family<BackendLabels, Gauge>,
+    entries: Family<BackendLabels, Gauge>,
+    peer_inflight: Family<BackendLabels, Gauge>,
     bytes_per_token: Family<BackendLabels, Gauge<f64, AtomicU64>>,
     queued_prefill: Family<BackendLabels, Gauge>,
     prefill_speed: Family<BackendLabels, Gauge<f64, AtomicU64>>,
@@ -55,6 +57,8 @@ impl CoreMetrics {
                 inflight: Family::default(),
                 healthy: Family::default(),
                 capacity: Family::default(),
+                entries: Family::default(),
+                peer_inflight: Family::default(),
                 bytes_per_token: Family::default(),
                 queued_prefill: Family::default(),
                 prefill_speed: Family::default(),
@@ -91,6 +95,16 @@ impl CoreMetrics {
             "prefix_router_index_capacity",
             "Index capacity in chunks, by backend (configured, or its KV cache in tokens × bytes per token ÷ chunk size)",
             f.capacity.clone(),
+        );
+        r.register(
+            "prefix_router_index_entries",
+            "String-index entries (chunks) held for the backend, as this router's notifies count them",
+            f.entries.clone(),
+        );
+        r.register(
+            "prefix_router_peer_inflight",
+            "Requests in flight at the backend from the other router replicas (the replica bus)",
+            f.peer_inflight.clone(),
         );
         r.register(
             "prefix_router_bytes_per_token",
@@ -143,7 +157,13 @@ impl CoreMetrics {
     /// Refreshes the per-backend gauges (before a scrape): exactly the fleet's backends.
     pub fn observe_fleet(&self, backends: &[Arc<Backend>]) {
         let f = &self.fleet;
-        for family in [&f.inflight, &f.healthy, &f.capacity] {
+        for family in [
+            &f.inflight,
+            &f.healthy,
+            &f.capacity,
+            &f.entries,
+            &f.peer_inflight,
+        ] {
             family.clear();
         }
         for family in [&f.running, &f.prefill, &f.decoding, &f.healthy_pods] {
@@ -167,6 +187,12 @@ impl CoreMetrics {
             f.capacity
                 .get_or_create(&backend)
                 .set(b.capacity.load(Relaxed) as i64);
+            f.entries
+                .get_or_create(&backend)
+                .set(b.entries.load(Relaxed) as i64);
+            f.peer_inflight
+                .get_or_create(&backend)
+                .set(b.remote.inflight.load(Relaxed) as i64);
             f.bytes_per_token
                 .get_or_create(&backend)
                 .set(b.bytes_per_token());

@@ -106,6 +106,27 @@ impl BusMetrics {
             "Peers' reports of a backend they found unhealthy, applied here as one failed check",
             m.health_reports.clone(),
         );
+        // Every series exists from the start at zero (dashboards, alerts on rates).
+        for direction in ["sent", "received"] {
+            for family in [&m.messages, &m.bytes, &m.decisions] {
+                drop(family.get_or_create(&DirectionLabels { direction }));
+            }
+        }
+        for reason in ["outbox_full", "disconnected", "publish_failed"] {
+            drop(m.dropped.get_or_create(&ReasonLabels { reason }));
+        }
+        for reason in [
+            "foreign",
+            "too_large",
+            "compression",
+            "malformed",
+            "unknown_backend",
+        ] {
+            drop(m.rejected.get_or_create(&ReasonLabels { reason }));
+        }
+        for outcome in ["applied", "no_peer", "timeout", "failed", "served"] {
+            drop(m.snapshots.get_or_create(&OutcomeLabels { outcome }));
+        }
         m
     }
 

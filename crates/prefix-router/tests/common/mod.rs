@@ -108,4 +108,5 @@ pub fn text(seed: u64, bytes: usize) -> String {
     s
 }
 
+pub mod dashboard;
 pub mod vllm;
