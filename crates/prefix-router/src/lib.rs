@@ -19,4 +19,5 @@ pub mod serve;
 pub mod server;
 pub mod store_args;
 pub mod tenants;
+pub mod traces;
 pub mod upstream;

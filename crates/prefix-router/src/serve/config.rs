@@ -94,6 +94,13 @@ pub struct ServeArgs {
     /// A shared remote `prefix-router index` to use as the store instead of `--store`.
     #[arg(long, env = "PREFIX_ROUTER_INDEX_URL")]
     pub index_url: Option<String>,
+    /// Export a trace span per request to this OpenTelemetry collector over OTLP/HTTP (JSON),
+    /// e.g. `http://otel-collector:4318` (off by default).
+    #[arg(long, env = "PREFIX_ROUTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+    /// How often finished spans are sent to the collector.
+    #[arg(long, env = "PREFIX_ROUTER_OTLP_INTERVAL", default_value = "5s", value_parser = crate::duration::parse)]
+    pub otlp_interval: Duration,
     /// Router replicas share their routing decisions and load over this NATS server
     /// (`nats://host:4222`). Each replica still routes from its own memory store: the request
     /// path never waits on the bus, and a bus outage leaves every replica routing on its own.

@@ -67,6 +67,8 @@ pub struct Gateway {
     pub monitor: Monitor,
     /// The gateway queue, when a saturation bound is set.
     pub admission: Option<Arc<Admission>>,
+    /// Trace export (`--otlp-endpoint`).
+    pub traces: Option<Arc<crate::traces::Traces>>,
     metrics: Arc<GatewayMetrics>,
     /// Every component's metrics, registered once at build.
     registry: Registry,
@@ -194,8 +196,13 @@ pub async fn gateway(args: &ServeArgs) -> anyhow::Result<Arc<Gateway>> {
             &mut registry,
         )
     });
+    let traces = match &args.otlp_endpoint {
+        Some(endpoint) => Some(crate::traces::Traces::start(endpoint, args.otlp_interval)?),
+        None => None,
+    };
     Ok(Arc::new(Gateway {
         admission,
+        traces,
         core,
         tokenizers,
         client,

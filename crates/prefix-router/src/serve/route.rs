@@ -21,6 +21,8 @@ use crate::core::matches::PromptKey;
 use crate::core::RequestInput;
 use crate::json_body::read_body;
 use crate::tenants::{Limited, Tenant, TenantGuard};
+use crate::traces::RequestSpan;
+use opentelemetry::KeyValue;
 
 impl From<InvalidRequest> for ApiError {
     fn from(e: InvalidRequest) -> Self {
@@ -127,7 +129,7 @@ fn limited(tenant: &Tenant, why: Limited) -> Response {
 /// The request path of every proxied endpoint.
 pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Response {
     let received = Instant::now();
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
     let tenant = parts.extensions.get::<Arc<Tenant>>().cloned();
     let priority = match priority(&parts.headers, tenant.as_deref()) {
         Ok(p) => p,
@@ -218,6 +220,21 @@ pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Respon
             )
             .await
     };
+    // Its span, when traces are exported: the client's trace continues here and upstream.
+    let span = gw.traces.as_ref().map(|t| {
+        let span = t.request(format!("POST {}", parts.uri.path()), &mut parts.headers);
+        span.set([
+            KeyValue::new("gen_ai.request.model", model.to_string()),
+            KeyValue::new("prefix_router.policy", gw.core.policy_name()),
+            KeyValue::new("prefix_router.reason", decision.reason.label()),
+            KeyValue::new("prefix_router.index", decision.index),
+            KeyValue::new(
+                "prefix_router.matched_ratio",
+                decision.matched_ratio.unwrap_or(0.0),
+            ),
+        ]);
+        span
+    });
     forward(
         &gw,
         Outgoing {
@@ -229,6 +246,7 @@ pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Respon
             model,
             permit,
             tenant_guard,
+            span,
         },
         decision.order,
         &decision.uncached,
@@ -288,6 +306,8 @@ struct Outgoing {
     permit: Permit,
     /// Its place under its tenant's concurrency cap, held until the answer ends.
     tenant_guard: Option<TenantGuard>,
+    /// Its trace span, ended with the answer.
+    span: Option<RequestSpan>,
 }
 
 /// Sends the request to the first backend of `order`, moving on after a connection error or a
@@ -315,7 +335,15 @@ async fn forward(
         model,
         permit,
         tenant_guard,
+        span,
     } = req;
+    // A failure answered here ends the span; an answer passed through ends it at its end.
+    let failed = |response: Response| {
+        if let Some(s) = &span {
+            s.end(response.status().as_u16());
+        }
+        response
+    };
     let mut tenant_guard = tenant_guard;
     let load_eased = permit.waker();
     let mut permit = Some(permit);
@@ -356,8 +384,12 @@ async fn forward(
             let predicted = crate::core::policy::ttft_of_work(&row, work);
             let (gw2, b2) = (gw.clone(), backend.clone());
             let decoding = row.inflight.saturating_sub(row.waiting_first_byte);
+            let span2 = span.clone();
             guard.on_first_byte(Box::new(move |ttft| {
                 let ttft = ttft.as_secs_f64();
+                if let Some(s) = &span2 {
+                    s.set([KeyValue::new("prefix_router.ttft_s", ttft)]);
+                }
                 tracing::debug!(
                     target: "prefix_router::ttft",
                     backend = %b2.url(), work, uncached, decoding, predicted, ttft,
@@ -389,7 +421,7 @@ async fn forward(
             Err(_) => {
                 tracing::warn!(request_id = ?request_id, backend = backend.url(), "request timed out");
                 record(gw, &backend, &model, 504, received);
-                return timed_out();
+                return failed(timed_out());
             }
             Ok(Err(e)) => {
                 tracing::warn!(request_id = ?request_id, backend = backend.url(), error = %e, "backend connection failed");
@@ -409,8 +441,18 @@ async fn forward(
                 let gw2 = gw.clone();
                 let b2 = backend.clone();
                 let held = tenant_guard.take();
+                let span2 = span.clone();
+                if let Some(s) = &span {
+                    s.set([
+                        KeyValue::new("server.address", backend.url().to_owned()),
+                        KeyValue::new("prefix_router.attempts", attempt as i64 + 1),
+                    ]);
+                }
                 let on_end = move |ended: proxy::Ended| {
                     drop(held);
+                    if let Some(s) = &span2 {
+                        s.end(ended.status);
+                    }
                     if let (200, Some(tokens)) = (ended.status, ended.prompt_tokens) {
                         b2.observe_prompt(text_bytes, tokens);
                     }
@@ -423,7 +465,7 @@ async fn forward(
             }
         }
     }
-    last_error.unwrap_or_else(|| bad_gateway("every backend tried failed"))
+    failed(last_error.unwrap_or_else(|| bad_gateway("every backend tried failed")))
 }
 
 fn record(gw: &Gateway, backend: &Backend, model: &Arc<str>, status: u16, received: Instant) {

@@ -1,0 +1,198 @@
+//! OpenTelemetry traces (`--otlp-endpoint`): a span per request reaches an OTLP/HTTP receiver
+//! started by the test, as the child of the client's `traceparent`, with the decision's
+//! attributes; the span's own `traceparent` reaches the backend (a stand-in that records its
+//! headers), so a backend's spans join the trace.
+
+mod common;
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use common::{eventually, router};
+use parking_lot::Mutex;
+use serde_json::{json, Value};
+
+#[derive(Default)]
+struct Seen {
+    exports: Mutex<Vec<Value>>,
+    traceparents: Mutex<Vec<String>>,
+}
+
+async fn serve(app: Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
+
+/// An OTLP/HTTP JSON receiver.
+async fn collector(seen: Arc<Seen>) -> String {
+    async fn traces(State(seen): State<Arc<Seen>>, Json(body): Json<Value>) -> Json<Value> {
+        seen.exports.lock().push(body);
+        Json(json!({}))
+    }
+    serve(
+        Router::new()
+            .route("/v1/traces", post(traces))
+            .with_state(seen),
+    )
+    .await
+}
+
+/// A backend that answers completions (streamed or not) and records their `traceparent`.
+async fn backend(seen: Arc<Seen>) -> String {
+    async fn complete(
+        State(seen): State<Arc<Seen>>,
+        headers: HeaderMap,
+        Json(body): Json<Value>,
+    ) -> axum::response::Response {
+        if let Some(tp) = headers.get("traceparent") {
+            seen.traceparents
+                .lock()
+                .push(tp.to_str().unwrap().to_owned());
+        }
+        let choice = json!({"index": 0, "text": "hi", "finish_reason": "stop"});
+        if body["stream"] == true {
+            let chunk = json!({"id": "c", "object": "text_completion", "model": "fake-model", "choices": [choice]});
+            (
+                [("content-type", "text/event-stream")],
+                format!("data: {chunk}\n\ndata: [DONE]\n\n"),
+            )
+                .into_response()
+        } else {
+            Json(json!({"id": "c", "object": "text_completion", "model": "fake-model", "choices": [choice],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}))
+            .into_response()
+        }
+    }
+    let app = Router::new()
+        .route("/health", get(|| async { "ok" }))
+        .route("/metrics", get(|| async { "" }))
+        .route(
+            "/v1/models",
+            get(|| async {
+                Json(json!({"object": "list", "data": [{"id": "fake-model", "object": "model"}]}))
+            }),
+        )
+        .route("/v1/completions", post(complete))
+        .with_state(seen);
+    serve(app).await
+}
+
+/// Every span the collector received.
+fn spans(seen: &Seen) -> Vec<Value> {
+    seen.exports
+        .lock()
+        .iter()
+        .flat_map(|e| e["resourceSpans"].as_array().cloned().unwrap_or_default())
+        .flat_map(|r| r["scopeSpans"].as_array().cloned().unwrap_or_default())
+        .flat_map(|s| s["spans"].as_array().cloned().unwrap_or_default())
+        .collect()
+}
+
+fn attribute<'a>(span: &'a Value, key: &str) -> &'a Value {
+    let attr = span["attributes"]
+        .as_array()
+        .and_then(|a| a.iter().find(|kv| kv["key"] == key))
+        .unwrap_or_else(|| panic!("no attribute {key} in {span}"));
+    let value = &attr["value"];
+    ["stringValue", "intValue", "doubleValue", "boolValue"]
+        .iter()
+        .map(|k| &value[*k])
+        .find(|v| !v.is_null())
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_span_per_request_continues_the_clients_trace_upstream() {
+    let seen = Arc::new(Seen::default());
+    let otlp = collector(seen.clone()).await;
+    let vllm = backend(seen.clone()).await;
+    let (r, _) = router(
+        std::slice::from_ref(&vllm),
+        &["--otlp-endpoint", &otlp, "--otlp-interval", "100ms"],
+    )
+    .await;
+    let url = r.url();
+    assert!(
+        eventually(10, || async {
+            reqwest::get(format!("{url}/health"))
+                .await
+                .unwrap()
+                .json::<Value>()
+                .await
+                .unwrap()["healthy_backends"]
+                == 1
+        })
+        .await
+    );
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let client_span = "00f067aa0ba902b7";
+    let client = reqwest::Client::new();
+    for stream in [false, true] {
+        let resp = client
+            .post(format!("{url}/v1/completions"))
+            .header("traceparent", format!("00-{trace_id}-{client_span}-01"))
+            .json(&json!({"model": "fake-model", "prompt": "hello there", "max_tokens": 1, "stream": stream}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        resp.text().await.unwrap();
+    }
+    assert!(
+        eventually(10, || async { spans(&seen).len() >= 2 }).await,
+        "the collector received {} spans",
+        spans(&seen).len()
+    );
+    let spans = spans(&seen);
+    let upstream = seen.traceparents.lock().clone();
+    assert_eq!(upstream.len(), 2);
+    for span in &spans {
+        assert_eq!(span["traceId"], trace_id, "{span}");
+        assert_eq!(span["parentSpanId"], client_span);
+        assert_eq!(span["name"], "POST /v1/completions");
+        assert_eq!(attribute(span, "gen_ai.request.model"), "fake-model");
+        assert_eq!(attribute(span, "prefix_router.policy"), "prefix_load");
+        assert!(attribute(span, "prefix_router.reason").is_string());
+        assert_eq!(
+            attribute(span, "server.address").as_str(),
+            Some(vllm.as_str())
+        );
+        assert_eq!(
+            attribute(span, "prefix_router.attempts")
+                .to_string()
+                .trim_matches('"'),
+            "1"
+        );
+        assert_eq!(
+            attribute(span, "http.response.status_code")
+                .to_string()
+                .trim_matches('"'),
+            "200"
+        );
+        // The backend got this span as its parent, in the client's trace.
+        let span_id = span["spanId"].as_str().unwrap();
+        assert!(
+            upstream.contains(&format!("00-{trace_id}-{span_id}-01")),
+            "{upstream:?}"
+        );
+    }
+    // The streamed one knows its time to first token.
+    let ttfts: Vec<f64> = spans
+        .iter()
+        .filter_map(|s| {
+            s["attributes"]
+                .as_array()?
+                .iter()
+                .find(|kv| kv["key"] == "prefix_router.ttft_s")?["value"]["doubleValue"]
+                .as_f64()
+        })
+        .collect();
+    assert_eq!(ttfts.len(), 1, "one streamed request");
+    assert!(ttfts[0] > 0.0);
+}
