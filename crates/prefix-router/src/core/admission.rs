@@ -27,7 +27,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use tokio::sync::{oneshot, Notify};
 
-use super::policy::{predicted_ttft, CandidateRow};
+use super::policy::{predicted_ttft, ttft_of_work, CandidateRow};
 
 /// Priorities a request may have (`x-priority`, a tenant's class): a small range keeps the
 /// queue's metric series bounded.
@@ -55,13 +55,22 @@ impl AdmissionSettings {
 }
 
 /// Whether `row`'s backend has no room for more work now.
+///
+/// The wait is what the work queued ahead adds to a request's TTFT (the learned line's slope
+/// times that work), not the line's overhead: a backend whose TTFT is never below the bound
+/// (a CPU vLLM's ~0.2 s) would otherwise count as saturated while idle and hold every request
+/// until `--queue-timeout` (seen on real vLLM). A backend with nothing in flight from this
+/// router or reported waiting is never saturated.
 pub fn saturated(row: &CandidateRow, settings: &AdmissionSettings) -> bool {
+    if row.inflight == 0 && row.reported_waiting == 0 {
+        return false;
+    }
     let waiting = settings
         .max_waiting
         .is_some_and(|n| row.reported_waiting.max(row.waiting_first_byte) >= n);
     let slow = settings
         .max_wait
-        .is_some_and(|bound| predicted_ttft(row, 0) > bound.as_secs_f64());
+        .is_some_and(|bound| predicted_ttft(row, 0) - ttft_of_work(row, 0) > bound.as_secs_f64());
     waiting || slow
 }
 
@@ -515,6 +524,29 @@ mod tests {
             &mut Registry::default(),
         );
         (a, full)
+    }
+
+    #[test]
+    fn an_idle_backend_is_never_saturated_whatever_its_overhead() {
+        let settings = AdmissionSettings {
+            max_wait: Some(Duration::from_millis(100)),
+            ..settings(10)
+        };
+        // A CPU vLLM: 0.3 s before any first token, 0.1 ms a token.
+        let mut row = CandidateRow {
+            prefill: crate::core::prefill::PrefillLine {
+                overhead_s: 0.3,
+                seconds_per_token: 1e-4,
+            },
+            ..Default::default()
+        };
+        assert!(!saturated(&row, &settings), "idle");
+        row.inflight = 2;
+        row.waiting_first_byte = 2;
+        row.queued_prefill_tokens = 500;
+        assert!(!saturated(&row, &settings), "50 ms of work ahead");
+        row.queued_prefill_tokens = 2_000;
+        assert!(saturated(&row, &settings), "200 ms of work ahead");
     }
 
     fn ticket(priority: i32, tenant: u64) -> Ticket {
