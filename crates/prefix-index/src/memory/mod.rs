@@ -91,6 +91,25 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::default();
 }
 
+/// Files an entry just upserted at `t` for the eviction order, by the `last_used` it had
+/// (`old`): a new one or an older one is touched at `t` (an older one also leaves its old
+/// group), a newer one stays where it is. Returns whether it is new.
+fn restamp(
+    old: Option<Tick>,
+    t: Tick,
+    entry: LruEntry,
+    moved: &mut Vec<(u64, LruEntry)>,
+    touched: &mut Vec<LruEntry>,
+) -> bool {
+    match old {
+        None => {}
+        Some(old) if old < t => moved.push((old.millis(), entry)),
+        Some(_) => return false,
+    }
+    touched.push(entry);
+    old.is_none()
+}
+
 /// Finds how deep each server's hold on a request goes, bisecting all servers at once.
 ///
 /// A server's set is prefix-closed, and a prefix's `last_used` is never older than its
@@ -332,12 +351,7 @@ impl MemoryStore {
                         .0
                         .write()
                         .upsert(h, node.slot, tick);
-                    match old {
-                        None => {}
-                        Some(old) if old < tick => moved.push((old.millis(), entry)),
-                        Some(_) => continue,
-                    }
-                    touched.push(entry);
+                    restamp(old, tick, entry, &mut moved, &mut touched);
                 }
                 lru.touch(tick, &mut moved, &touched);
             }
@@ -385,12 +399,7 @@ impl MemoryStore {
                 for (i, (&h, &old)) in hashes.iter().zip(old_ticks.iter()).enumerate() {
                     // kept <= capacity <= MAX_CAPACITY < 2^22: the depth fits.
                     let entry = LruEntry::new(i as u32 + 1, h);
-                    match old {
-                        None => inserted += 1,
-                        Some(old) if old < t => moved.push((old.millis(), entry)),
-                        Some(_) => continue,
-                    }
-                    touched.push(entry);
+                    inserted += u64::from(restamp(old, t, entry, moved, touched));
                 }
                 lru.touch(t, moved, touched);
                 let evicted = beyond + self.evict_to_capacity(node.slot, lru, victims);
