@@ -155,6 +155,8 @@ fn parse(path: &Path, text: &str) -> anyhow::Result<Parsed> {
 /// A tenant's live state: its settings (replaced on reload) and what it holds now.
 pub struct Tenant {
     pub name: Arc<str>,
+    /// The gateway queue's fairness key of its requests (its keys share turns).
+    pub fairness_key: u64,
     priority: AtomicI32,
     limits: ArcSwap<Limits>,
     /// Tokens left and when they were counted.
@@ -190,6 +192,7 @@ impl Tenant {
     ) -> Self {
         Self {
             name: name.into(),
+            fairness_key: xxhash_rust::xxh3::xxh3_64_with_seed(name.as_bytes(), 3),
             priority: AtomicI32::new(priority),
             limits: ArcSwap::from_pointee(limits),
             bucket: Mutex::new((limits.burst, now)),

@@ -63,7 +63,7 @@ fn priority(headers: &HeaderMap, tenant: Option<&Tenant>) -> Result<i32, ApiErro
 /// without either is one tenant.
 fn fairness_key(headers: &HeaderMap, tenant_header: &HeaderName, known: Option<&Tenant>) -> u64 {
     if let Some(t) = known {
-        return xxhash_rust::xxh3::xxh3_64_with_seed(t.name.as_bytes(), 3);
+        return t.fairness_key;
     }
     let named = headers.get(tenant_header).map(|v| (1u8, v));
     let keyed = || {
