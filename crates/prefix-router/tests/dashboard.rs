@@ -7,20 +7,9 @@ mod common;
 
 use std::collections::BTreeSet;
 
-use common::dashboard::{dashboard, metric_names, queried_metrics};
+use common::dashboard::{dashboard, exposed, metric_names, queried_metrics};
 use common::{fleet, metrics_text, router, text};
 use serde_json::json;
-
-/// The sample names in `/metrics` texts.
-fn exposed(texts: &[String]) -> BTreeSet<String> {
-    texts
-        .iter()
-        .flat_map(|t| t.lines())
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .filter_map(|l| l.split(['{', ' ']).next())
-        .map(str::to_owned)
-        .collect()
-}
 
 #[test]
 fn the_dashboard_is_well_formed() {

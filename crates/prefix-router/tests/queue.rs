@@ -7,36 +7,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{eventually, fleet, metric, router, text};
+use common::{eventually, fleet, metric, router, send, slow, text};
 use serde_json::json;
-use vllm_sim::SimConfig;
-
-/// One sim prefilling 5,000 tokens a second: the 15,000-token blocker takes 3 s, a
-/// 100-token request 25 ms.
-fn slow() -> SimConfig {
-    SimConfig {
-        prefill_tokens_per_s: 5_000.0,
-        prefill_overhead_ms: 5.0,
-        itl_ms: 1.0,
-        ..SimConfig::default()
-    }
-}
-
-/// Sends a streamed completion with `headers`; returns its status and when its first chunk came.
-async fn send(url: String, prompt: String, headers: Vec<(&'static str, String)>) -> (u16, Instant) {
-    let mut req = reqwest::Client::new()
-        .post(format!("{url}/v1/completions"))
-        .json(&json!({"model": "sim-model", "prompt": prompt, "max_tokens": 2, "stream": true}));
-    for (k, v) in headers {
-        req = req.header(k, v);
-    }
-    let mut resp = req.send().await.unwrap();
-    let status = resp.status().as_u16();
-    let _ = resp.chunk().await;
-    let first = Instant::now();
-    while let Ok(Some(_)) = resp.chunk().await {}
-    (status, first)
-}
 
 async fn depth(url: &str) -> f64 {
     metric(url, "prefix_router_queue_depth", "").await

@@ -198,21 +198,13 @@ async fn the_dashboards_vllm_metrics_exist_on_real_vllm() {
     let Some(fleet) = vllm::shared(SERVERS).await else {
         return;
     };
-    let text = common::metrics_text(&fleet.urls[0]).await;
-    let exposed: Vec<&str> = text
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| l.split(['{', ' ']).next())
-        .collect();
+    let exposed = common::dashboard::exposed(&[common::metrics_text(&fleet.urls[0]).await]);
     let wanted: Vec<String> = common::dashboard::queried_metrics()
         .into_iter()
         .filter(|m| m.starts_with("vllm:"))
         .collect();
     assert!(!wanted.is_empty());
-    let missing: Vec<&String> = wanted
-        .iter()
-        .filter(|m| !exposed.contains(&m.as_str()))
-        .collect();
+    let missing: Vec<&String> = wanted.iter().filter(|m| !exposed.contains(*m)).collect();
     assert!(missing.is_empty(), "not on real vLLM: {missing:?}");
 }
 

@@ -131,6 +131,41 @@ async fn serve_once(router: &str, sims: &Fleet, prompt: &str) -> usize {
     moved[0]
 }
 
+/// Sends each prompt through `router`; returns the sim that served each.
+async fn teach(router: &str, sims: &Fleet, prompts: &[String]) -> Vec<usize> {
+    let mut placed = Vec::new();
+    for p in prompts {
+        placed.push(serve_once(router, sims, p).await);
+    }
+    placed
+}
+
+/// Asks `router` for the prompts again, in the reverse order (see [`prompts`]): each goes to
+/// the sim it was `placed` on.
+async fn routes_as_taught(router: &str, sims: &Fleet, prompts: &[String], placed: &[usize]) {
+    for (p, &sim) in prompts.iter().zip(placed).rev() {
+        assert_eq!(
+            serve_once(router, sims, p).await,
+            sim,
+            "{router} routes where it was taught"
+        );
+    }
+}
+
+/// A replica's view of the backend at `url`.
+fn backend_of(
+    gw: &prefix_router::serve::Gateway,
+    url: &str,
+) -> std::sync::Arc<prefix_router::core::backend::Backend> {
+    gw.core
+        .fleet
+        .snapshot()
+        .iter()
+        .find(|b| b.url() == url)
+        .cloned()
+        .unwrap()
+}
+
 /// Distinct long prompts (the string index matches them whole). Tests ask for them again in
 /// the reverse order: unmatched requests rotate over equally loaded sims, so asking in the
 /// same order would land them where they were even with nothing learned.
@@ -152,10 +187,7 @@ async fn a_prefix_taught_to_one_replica_is_routed_there_by_another() {
     let (b, _) = replica(&sims.urls(), &nats.url(), &[]).await;
     until_connected(&[&a.url(), &b.url()]).await;
     let taught = prompts(8, 1);
-    let mut placed = Vec::new();
-    for p in &taught {
-        placed.push(serve_once(&a.url(), &sims, p).await);
-    }
+    let placed = teach(&a.url(), &sims, &taught).await;
     // prefix_load spreads unmatched prompts by load: A used several sims.
     let mut distinct = placed.clone();
     distinct.sort();
@@ -170,23 +202,12 @@ async fn a_prefix_taught_to_one_replica_is_routed_there_by_another() {
         "B never heard A's decisions"
     );
     eprintln!("B heard A's 8 decisions within {:?}", start.elapsed());
-    for (p, &sim) in taught.iter().zip(&placed).rev() {
-        assert_eq!(
-            serve_once(&b.url(), &sims, p).await,
-            sim,
-            "B routes where A taught"
-        );
-    }
+    routes_as_taught(&b.url(), &sims, &taught, &placed).await;
     // And the other way round.
     let back = prompts(4, 2);
-    let mut placed = Vec::new();
-    for p in &back {
-        placed.push(serve_once(&b.url(), &sims, p).await);
-    }
+    let placed = teach(&b.url(), &sims, &back).await;
     assert!(eventually(5, || async { received_decisions(&a.url()).await >= 4.0 }).await);
-    for (p, &sim) in back.iter().zip(&placed).rev() {
-        assert_eq!(serve_once(&a.url(), &sims, p).await, sim);
-    }
+    routes_as_taught(&a.url(), &sims, &back, &placed).await;
 }
 
 /// A sim whose requests take seconds (a slow prefill), to hold load.
@@ -223,14 +244,7 @@ async fn load_held_through_one_replica_steers_the_other() {
             tokio::spawn(async move { complete(&url, &prompt).await })
         })
         .collect();
-    let sim0 = gw_b
-        .core
-        .fleet
-        .snapshot()
-        .iter()
-        .find(|b| b.url() == urls[0])
-        .cloned()
-        .unwrap();
+    let sim0 = backend_of(&gw_b, &urls[0]);
     assert!(
         eventually(5, || async { sim0.remote.inflight.load(Relaxed) == 3 }).await,
         "B never saw A's three requests on sim 0"
@@ -331,19 +345,14 @@ async fn a_bus_outage_loses_no_request_and_the_replicas_converge_again() {
     // Converged: what A learns now, B routes by.
     let received = received_decisions(&b.url()).await;
     let fresh = prompts(6, 3);
-    let mut placed = Vec::new();
-    for p in &fresh {
-        placed.push(serve_once(&a.url(), &sims, p).await);
-    }
+    let placed = teach(&a.url(), &sims, &fresh).await;
     assert!(
         eventually(10, || async {
             received_decisions(&b.url()).await >= received + 6.0
         })
         .await
     );
-    for (p, &sim) in fresh.iter().zip(&placed).rev() {
-        assert_eq!(serve_once(&b.url(), &sims, p).await, sim);
-    }
+    routes_as_taught(&b.url(), &sims, &fresh, &placed).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -355,10 +364,7 @@ async fn a_new_replica_catches_up_from_a_peers_snapshot() {
     let (a, _) = replica(&sims.urls(), &nats.url(), &[]).await;
     until_connected(&[&a.url()]).await;
     let taught = prompts(8, 4);
-    let mut placed = Vec::new();
-    for p in &taught {
-        placed.push(serve_once(&a.url(), &sims, p).await);
-    }
+    let placed = teach(&a.url(), &sims, &taught).await;
     // B starts after A learned everything, stops, and C starts in its place: each new
     // replica merges A's index on connecting.
     let (b, _) = replica(&sims.urls(), &nats.url(), &[]).await;
@@ -383,9 +389,7 @@ async fn a_new_replica_catches_up_from_a_peers_snapshot() {
         0.0,
         "C learned from the snapshot alone"
     );
-    for (p, &sim) in taught.iter().zip(&placed).rev() {
-        assert_eq!(serve_once(&c.url(), &sims, p).await, sim);
-    }
+    routes_as_taught(&c.url(), &sims, &taught, &placed).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -488,14 +492,7 @@ async fn a_backend_one_replica_finds_down_leaves_the_others_candidates() {
     )
     .await;
     until_connected(&[&a.url(), &b.url()]).await;
-    let sim0 = gw_b
-        .core
-        .fleet
-        .snapshot()
-        .iter()
-        .find(|b| b.url() == urls[0])
-        .cloned()
-        .unwrap();
+    let sim0 = backend_of(&gw_b, &urls[0]);
     assert!(eventually(5, || async { sim0.is_healthy() }).await);
     reqwest::Client::new()
         .post(format!("{}/sim/kill", urls[0]))

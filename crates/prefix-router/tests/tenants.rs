@@ -8,9 +8,8 @@ mod common;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use common::{eventually, fleet, instant, metric, router, text};
+use common::{eventually, fleet, instant, metric, router, send, slow, text};
 use serde_json::{json, Value};
-use vllm_sim::SimConfig;
 
 struct KeysFile(PathBuf);
 
@@ -139,30 +138,14 @@ async fn keys_rates_and_reloads() {
     assert_eq!(complete(&url, "beta-key-1", "still").await.0, 200);
 }
 
-/// One sim prefilling 5,000 tokens a second: a 15,000-token request takes 3 s.
-fn slow() -> SimConfig {
-    SimConfig {
-        prefill_tokens_per_s: 5_000.0,
-        prefill_overhead_ms: 5.0,
-        itl_ms: 1.0,
-        ..SimConfig::default()
-    }
-}
-
 /// A streamed completion as `key`; its status and when its first chunk came.
 async fn stream(url: String, key: &'static str, prompt: String) -> (u16, Instant) {
-    let mut resp = reqwest::Client::new()
-        .post(format!("{url}/v1/completions"))
-        .bearer_auth(key)
-        .json(&json!({"model": "sim-model", "prompt": prompt, "max_tokens": 2, "stream": true}))
-        .send()
-        .await
-        .unwrap();
-    let status = resp.status().as_u16();
-    let _ = resp.chunk().await;
-    let first = Instant::now();
-    while let Ok(Some(_)) = resp.chunk().await {}
-    (status, first)
+    send(
+        url,
+        prompt,
+        vec![("authorization", format!("Bearer {key}"))],
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -38,3 +38,14 @@ pub fn queried_metrics() -> BTreeSet<String> {
     }
     names
 }
+
+/// The sample names in `/metrics` texts.
+pub fn exposed(texts: &[String]) -> BTreeSet<String> {
+    texts
+        .iter()
+        .flat_map(|t| t.lines())
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .map(str::to_owned)
+        .collect()
+}

@@ -108,5 +108,36 @@ pub fn text(seed: u64, bytes: usize) -> String {
     s
 }
 
+/// One sim prefilling 5,000 tokens a second: a 15,000-token request takes 3 s, a 100-token
+/// one 25 ms (to hold a server busy while others queue).
+pub fn slow() -> SimConfig {
+    SimConfig {
+        prefill_tokens_per_s: 5_000.0,
+        prefill_overhead_ms: 5.0,
+        itl_ms: 1.0,
+        ..SimConfig::default()
+    }
+}
+
+/// Sends a streamed completion with `headers`; returns its status and when its first chunk came.
+pub async fn send(
+    url: String,
+    prompt: String,
+    headers: Vec<(&'static str, String)>,
+) -> (u16, std::time::Instant) {
+    let mut req = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .json(&serde_json::json!({"model": "sim-model", "prompt": prompt, "max_tokens": 2, "stream": true}));
+    for (k, v) in headers {
+        req = req.header(k, v);
+    }
+    let mut resp = req.send().await.unwrap();
+    let status = resp.status().as_u16();
+    let _ = resp.chunk().await;
+    let first = std::time::Instant::now();
+    while let Ok(Some(_)) = resp.chunk().await {}
+    (status, first)
+}
+
 pub mod dashboard;
 pub mod vllm;
