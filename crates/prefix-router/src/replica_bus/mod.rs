@@ -54,6 +54,8 @@ const MAX_FRAME_HASHES: usize = 56_000;
 /// Index entries per snapshot part (about 0.5 MB before compression: under NATS's 1 MB
 /// default message limit).
 const SNAPSHOT_PART_ENTRIES: usize = 25_000;
+/// Tries, 100 ms apart, to see a first backend before asking for a snapshot.
+const FLEET_WAIT_TRIES: u32 = 100;
 /// Longest wait for a peer's whole snapshot.
 const SNAPSHOT_WAIT: Duration = Duration::from_secs(5);
 /// A peer's decision time is believed up to this far ahead of this replica's clock.
@@ -549,6 +551,16 @@ async fn fetch_snapshots(
     while let Some(Some(())) = while_alive(&core, connected.recv()).await {
         // Several connection events in a row ask once.
         while connected.try_recv().is_ok() {}
+        // A peer's index is merged for the backends this replica knows: wait (a little) for
+        // discovery to find the first ones.
+        for _ in 0..FLEET_WAIT_TRIES {
+            match core.upgrade() {
+                Some(c) if c.fleet.snapshot().is_empty() => {}
+                Some(_) => break,
+                None => return,
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
         let Some(strong) = core.upgrade() else { return };
         let outcome = fetch_snapshot(&client, &subject, &strong, &bus).await;
         match outcome {

@@ -151,17 +151,6 @@ pub async fn gateway(args: &ServeArgs) -> anyhow::Result<Arc<Gateway>> {
         },
         &mut registry,
     ));
-    if let Some(url) = &args.replica_bus {
-        crate::replica_bus::ReplicaBus::start(
-            crate::replica_bus::BusSettings {
-                url: url.clone(),
-                subject: args.replica_bus_subject.clone(),
-            },
-            &core,
-            &mut registry,
-        )
-        .await?;
-    }
     let mut keys = args.access.keys()?;
     if let Some(path) = &args.tenants.api_keys_file {
         let tenants = crate::tenants::Tenants::load(path, &mut registry)?;
@@ -184,6 +173,19 @@ pub async fn gateway(args: &ServeArgs) -> anyhow::Result<Arc<Gateway>> {
         },
     };
     monitor.apply(&args.backend_specs()?).await?;
+    // After the configured backends joined: a peer's snapshot is merged for the backends this
+    // replica knows.
+    if let Some(url) = &args.replica_bus {
+        crate::replica_bus::ReplicaBus::start(
+            crate::replica_bus::BusSettings {
+                url: url.clone(),
+                subject: args.replica_bus_subject.clone(),
+            },
+            &core,
+            &mut registry,
+        )
+        .await?;
+    }
     let queue = args.queue.settings();
     let admission = queue.enabled().then(|| {
         let weak = Arc::downgrade(&core);
