@@ -275,10 +275,23 @@ fn offline_env() -> [(&'static str, &'static str); 5] {
     ]
 }
 
-/// A free loopback port (bound, then released for the server to take).
+/// A free port for a server that binds it later, chosen below Linux's ephemeral range
+/// (32768 and up): a port from that range can be handed by the kernel to another socket in the
+/// minute a vLLM server takes to bind it (vLLM opens many), and the server then fails with
+/// "address already in use" (seen in CI). Below it, only explicit binds compete.
 fn free_port() -> anyhow::Result<u16> {
-    let listener = std::net::TcpListener::bind(("127.0.0.1", 0))?;
-    Ok(listener.local_addr()?.port())
+    use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+    const FIRST: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let start = std::process::id().wrapping_mul(7919);
+    for _ in 0..SPAN {
+        let port = (FIRST + start.wrapping_add(NEXT.fetch_add(1, Relaxed)) % SPAN) as u16;
+        if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    anyhow::bail!("no free port from {FIRST} to {}", FIRST + SPAN)
 }
 
 fn tail(path: &Path, lines: usize) -> String {
