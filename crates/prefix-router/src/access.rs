@@ -132,8 +132,29 @@ impl Keys {
     }
 }
 
-fn bearer(req: &Request) -> Option<&[u8]> {
-    let value = req.headers().get(header::AUTHORIZATION)?.as_bytes();
+impl Keys {
+    /// A request's tenant (the keys file's, by its bearer token) and whether it may do what
+    /// `need` says: for every front end.
+    pub fn admit(
+        &self,
+        need: Need,
+        headers: &axum::http::HeaderMap,
+    ) -> Result<Option<Arc<crate::tenants::Tenant>>, ApiError> {
+        // One digest per request: a tenant's key is a client's key (not an admin's).
+        let tenant = self
+            .tenants
+            .as_ref()
+            .and_then(|t| t.identify(bearer(headers)?));
+        let tenant_passes = tenant.is_some() && need != Need::Admin;
+        if !self.is_open() && !tenant_passes {
+            self.check(need, bearer(headers))?;
+        }
+        Ok(tenant)
+    }
+}
+
+fn bearer(headers: &axum::http::HeaderMap) -> Option<&[u8]> {
+    let value = headers.get(header::AUTHORIZATION)?.as_bytes();
     value
         .strip_prefix(b"Bearer ")
         .or_else(|| value.strip_prefix(b"bearer "))
@@ -146,20 +167,10 @@ pub async fn guard(
     req: Request,
     next: Next,
 ) -> Response {
-    // One digest per request: a tenant's key is a client's key (not an admin's).
-    let tenant = keys
-        .tenants
-        .as_ref()
-        .and_then(|t| t.identify(bearer(&req)?));
-    if !keys.is_open() {
-        let need = classify(&req);
-        let tenant_passes = tenant.is_some() && need != Need::Admin;
-        if !tenant_passes {
-            if let Err(e) = keys.check(need, bearer(&req)) {
-                return e.into_response();
-            }
-        }
-    }
+    let tenant = match keys.admit(classify(&req), req.headers()) {
+        Ok(t) => t,
+        Err(e) => return e.into_response(),
+    };
     let mut req = req;
     if let Some(tenant) = tenant {
         // The front end reads the tenant (priority, limits) from the request.

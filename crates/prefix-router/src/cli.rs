@@ -25,6 +25,9 @@ pub struct Cli {
 pub enum Command {
     /// The router: an OpenAI-compatible, prefix-cache-aware gateway in front of vLLM servers.
     Serve(Box<crate::serve::ServeArgs>),
+    /// An endpoint picker for the Gateway API Inference Extension: the router's decisions
+    /// served to an Envoy-based gateway over ext_proc (gRPC).
+    Epp(Box<crate::epp::EppArgs>),
     /// The string server: the prefix index over HTTP (query/notify).
     Index(IndexArgs),
     /// A fleet of simulated vLLM servers (prefix cache, queueing, vLLM's API and metrics).

@@ -9,6 +9,7 @@ pub mod api_error;
 pub mod cli;
 pub mod core;
 pub mod duration;
+pub mod epp;
 pub mod http_metrics;
 pub mod index;
 pub mod index_client;

@@ -16,10 +16,20 @@ async fn main() -> std::process::ExitCode {
         tracing::warn!("jemalloc background purging is off ({e}); memory freed after a burst returns more slowly");
     }
     let result = match cli.command {
-        Command::Serve(args) => match args.resolve(&serve_args()) {
+        Command::Serve(args) => match args.resolve(&serve_args("serve", &[])) {
             Ok(args) => prefix_router::serve::run(args).await,
             Err(e) => Err(e),
         },
+        Command::Epp(mut args) => {
+            let own = prefix_router::epp::EppArgs::OWN_FLAGS;
+            match args.serve.resolve(&serve_args("epp", own)) {
+                Ok(serve) => {
+                    args.serve = serve;
+                    prefix_router::epp::run(*args).await
+                }
+                Err(e) => Err(e),
+            }
+        }
         Command::Index(args) => prefix_router::index::run(args).await,
         Command::Bench(args) => match std::env::current_exe() {
             Ok(exe) => prefix_bench::run(*args, exe).await,
@@ -40,18 +50,25 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
-/// The command-line words after `serve`, without the global logging flags (for the config
-/// file merge, which re-reads them).
-fn serve_args() -> Vec<String> {
-    let mut words = std::env::args().skip_while(|a| a != "serve").skip(1);
+/// The command-line words after `command`, without the global logging flags and the
+/// command's `own` flags (for the config file merge, which re-reads `serve`'s).
+fn serve_args(command: &str, own: &[&str]) -> Vec<String> {
+    let mut words = std::env::args().skip_while(|a| a != command).skip(1);
     let mut out = Vec::new();
+    let takes_value = |w: &str| w == "--log" || own.contains(&w);
+    let is_inline = |w: &str| {
+        ["--log", "--log-json"]
+            .iter()
+            .chain(own)
+            .any(|f| w.starts_with(&format!("{f}=")))
+    };
     while let Some(w) = words.next() {
         match w.as_str() {
-            "--log" => {
+            w if takes_value(w) => {
                 words.next();
             }
             "--log-json" => {}
-            _ if w.starts_with("--log=") || w.starts_with("--log-json=") => {}
+            w if is_inline(w) => {}
             _ => out.push(w),
         }
     }

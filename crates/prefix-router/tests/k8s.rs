@@ -20,8 +20,9 @@ use tokio::sync::broadcast;
 #[derive(Default)]
 struct Cluster {
     rv: u64,
-    pods: BTreeMap<String, Value>,
-    /// (resourceVersion, type, pod) of every change, for watches resuming from a version.
+    /// Objects by (resource, name).
+    objects: BTreeMap<(String, String), Value>,
+    /// (resourceVersion, type, object) of every change, for watches resuming from a version.
     log: Vec<(u64, String, Value)>,
     /// Bumped to cut every open watch.
     cut: u64,
@@ -33,6 +34,15 @@ struct Fake {
     events: broadcast::Sender<(u64, String, Value)>,
 }
 
+/// The API resource an object belongs to.
+fn resource(object: &Value) -> String {
+    match object["kind"].as_str().unwrap() {
+        "Pod" => "pods".into(),
+        "InferencePool" => "inferencepools".into(),
+        other => panic!("the fake API has no {other}"),
+    }
+}
+
 impl Fake {
     fn new() -> Self {
         Self {
@@ -41,19 +51,20 @@ impl Fake {
         }
     }
 
-    fn change(&self, kind: &str, mut pod: Value) {
+    fn change(&self, kind: &str, mut object: Value) {
         let mut c = self.cluster.lock();
         c.rv += 1;
         let rv = c.rv;
-        pod["metadata"]["resourceVersion"] = json!(rv.to_string());
-        let name = pod["metadata"]["name"].as_str().unwrap().to_owned();
+        object["metadata"]["resourceVersion"] = json!(rv.to_string());
+        let name = object["metadata"]["name"].as_str().unwrap().to_owned();
+        let key = (resource(&object), name);
         if kind == "DELETED" {
-            c.pods.remove(&name);
+            c.objects.remove(&key);
         } else {
-            c.pods.insert(name, pod.clone());
+            c.objects.insert(key, object.clone());
         }
-        c.log.push((rv, kind.to_owned(), pod.clone()));
-        let _ = self.events.send((rv, kind.to_owned(), pod));
+        c.log.push((rv, kind.to_owned(), object.clone()));
+        let _ = self.events.send((rv, kind.to_owned(), object));
     }
 
     fn cut_watches(&self) {
@@ -61,13 +72,21 @@ impl Fake {
     }
 }
 
-fn selected(pod: &Value, selector: Option<&String>) -> bool {
-    selector.is_none_or(|sel| {
+/// Whether an object of `wanted` matches the query's label and field selectors.
+fn selected(object: &Value, wanted: &str, q: &HashMap<String, String>) -> bool {
+    let labels = q.get("labelSelector").is_none_or(|sel| {
         sel.split(',').all(|term| {
             let (k, v) = term.split_once('=').unwrap_or((term, ""));
-            pod["metadata"]["labels"][k].as_str() == Some(v)
+            object["metadata"]["labels"][k].as_str() == Some(v)
         })
-    })
+    });
+    let fields = q.get("fieldSelector").is_none_or(|sel| {
+        sel.split(',').all(|term| match term.split_once('=') {
+            Some(("metadata.name", name)) => object["metadata"]["name"].as_str() == Some(name),
+            _ => panic!("the fake API does not know the field selector {term}"),
+        })
+    });
+    resource(object) == wanted && labels && fields
 }
 
 async fn pods(
@@ -75,8 +94,25 @@ async fn pods(
     Path(ns): Path<String>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
+    list_or_watch(fake, "pods", "PodList", ns, q)
+}
+
+async fn pools(
+    State(fake): State<Fake>,
+    Path(ns): Path<String>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    list_or_watch(fake, "inferencepools", "InferencePoolList", ns, q)
+}
+
+fn list_or_watch(
+    fake: Fake,
+    wanted: &'static str,
+    list_kind: &str,
+    ns: String,
+    q: HashMap<String, String>,
+) -> Response {
     assert_eq!(ns, "llm", "the router watches the namespace it was given");
-    let selector = q.get("labelSelector");
     if q.get("watch").is_some_and(|w| w == "true" || w == "1") {
         let from: u64 = q
             .get("resourceVersion")
@@ -94,22 +130,22 @@ async fn pods(
         };
         let mut live = fake.events.subscribe();
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(64);
-        let sel = selector.cloned();
         let cluster = fake.cluster.clone();
         tokio::spawn(async move {
-            let line = |kind: &str, pod: &Value| {
-                bytes::Bytes::from(format!("{}\n", json!({"type": kind, "object": pod})))
+            let line = |kind: &str, object: &Value| {
+                bytes::Bytes::from(format!("{}\n", json!({"type": kind, "object": object})))
             };
-            for (_, kind, pod) in backlog {
-                if selected(&pod, sel.as_ref()) && tx.send(Ok(line(&kind, &pod))).await.is_err() {
+            for (_, kind, object) in backlog {
+                if selected(&object, wanted, &q) && tx.send(Ok(line(&kind, &object))).await.is_err()
+                {
                     return;
                 }
             }
             loop {
                 tokio::select! {
                     event = live.recv() => match event {
-                        Ok((rv, kind, pod)) if rv > from && selected(&pod, sel.as_ref()) => {
-                            if tx.send(Ok(line(&kind, &pod))).await.is_err() {
+                        Ok((rv, kind, object)) if rv > from && selected(&object, wanted, &q) => {
+                            if tx.send(Ok(line(&kind, &object))).await.is_err() {
                                 return;
                             }
                         }
@@ -132,13 +168,34 @@ async fn pods(
             .unwrap();
     }
     let c = fake.cluster.lock();
-    let items: Vec<&Value> = c.pods.values().filter(|p| selected(p, selector)).collect();
+    let items: Vec<&Value> = c
+        .objects
+        .values()
+        .filter(|o| selected(o, wanted, &q))
+        .collect();
     Json(json!({
-        "apiVersion": "v1", "kind": "PodList",
+        "apiVersion": "v1", "kind": list_kind,
         "metadata": {"resourceVersion": c.rv.to_string()},
         "items": items,
     }))
     .into_response()
+}
+
+/// The fake API server on a free loopback port, and a client for it.
+async fn serve_fake(fake: &Fake) -> kube::Client {
+    let api = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .await
+        .unwrap();
+    let api_url = format!("http://{}", api.local_addr().unwrap());
+    let app = Router::new()
+        .route("/api/v1/namespaces/{ns}/pods", get(pods))
+        .route(
+            "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
+            get(pools),
+        )
+        .with_state(fake.clone());
+    tokio::spawn(async move { axum::serve(api, app).await.unwrap() });
+    kube::Client::try_from(kube::Config::new(api_url.parse().unwrap())).unwrap()
 }
 
 fn pod(name: &str, port: u16, ready: bool, extra_labels: Value) -> Value {
@@ -202,13 +259,7 @@ async fn pods_join_and_leave_through_list_and_watch() {
     other["metadata"]["labels"] = json!({"app": "postgres"});
     fake.change("ADDED", other);
 
-    let api = tokio::net::TcpListener::bind(loopback).await.unwrap();
-    let api_url = format!("http://{}", api.local_addr().unwrap());
-    let app = Router::new()
-        .route("/api/v1/namespaces/{ns}/pods", get(pods))
-        .with_state(fake.clone());
-    tokio::spawn(async move { axum::serve(api, app).await.unwrap() });
-    let client = kube::Client::try_from(kube::Config::new(api_url.parse().unwrap())).unwrap();
+    let client = serve_fake(&fake).await;
 
     let listener = tokio::net::TcpListener::bind(loopback).await.unwrap();
     let words: Vec<String> = [
@@ -323,4 +374,152 @@ async fn metric_sum(sim: &str) -> f64 {
         .filter(|l| l.starts_with("vllm:request_success_total{"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
+}
+
+fn pool(selector: Value, ports: &[u16]) -> Value {
+    json!({
+        "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+        "metadata": {"name": "llama", "namespace": "llm", "uid": "uid-pool"},
+        "spec": {
+            "selector": {"matchLabels": selector},
+            "targetPorts": ports.iter().map(|p| json!({"number": p})).collect::<Vec<_>>(),
+            "endpointPickerRef": {"name": "llama-epp", "port": {"number": 9002}},
+        },
+    })
+}
+
+/// The healthy backends' URLs, from `/metrics`.
+async fn healthy_backends(url: &str) -> Vec<String> {
+    let text = reqwest::get(format!("{url}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let mut urls: Vec<String> = text
+        .lines()
+        .filter(|l| l.starts_with("prefix_router_backend_healthy{") && l.ends_with(" 1"))
+        .filter_map(|l| Some(l.split("backend=\"").nth(1)?.split('"').next()?.to_owned()))
+        .collect();
+    urls.sort();
+    urls
+}
+
+async fn until_backends(url: &str, want: &[u16]) {
+    let mut want: Vec<String> = want
+        .iter()
+        .map(|p| format!("http://127.0.0.1:{p}"))
+        .collect();
+    want.sort();
+    for _ in 0..100 {
+        if healthy_backends(url).await == want && health(url).await.0 == want.len() as u64 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!(
+        "expected backends {want:?}, have {:?}",
+        healthy_backends(url).await
+    );
+}
+
+async fn readiness(grpc: &str) -> i32 {
+    let mut health = tonic_health::pb::health_client::HealthClient::new(
+        tonic::transport::Channel::from_shared(grpc.to_owned())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap(),
+    );
+    health
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "readiness".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+}
+
+#[derive(clap::Parser)]
+struct EppWords {
+    #[command(flatten)]
+    args: prefix_router::epp::EppArgs,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_endpoint_picker_follows_its_inference_pool() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+    let sims = vllm_sim::Fleet::start(
+        vllm_sim::SimConfig {
+            time_scale: 0.0,
+            ..vllm_sim::SimConfig::default()
+        },
+        3,
+        loopback,
+    )
+    .await
+    .unwrap();
+    let ports: Vec<u16> = sims.servers.iter().map(|s| s.addr.port()).collect();
+    let fake = Fake::new();
+    // One pod; the pool's target ports make it several endpoints (as for data-parallel ranks).
+    fake.change("ADDED", pod("vllm-0", 1, true, json!({})));
+    let client = serve_fake(&fake).await;
+    let grpc = tokio::net::TcpListener::bind(loopback).await.unwrap();
+    let http = tokio::net::TcpListener::bind(loopback).await.unwrap();
+    let words = [
+        "epp".to_owned(),
+        "--grpc-listen".into(),
+        grpc.local_addr().unwrap().to_string(),
+        "--listen".into(),
+        http.local_addr().unwrap().to_string(),
+        "--inference-pool".into(),
+        "llama".into(),
+        "--namespace".into(),
+        "llm".into(),
+        "--health-interval".into(),
+        "100ms".into(),
+        "--unhealthy-after".into(),
+        "1".into(),
+    ];
+    let args = <EppWords as clap::Parser>::parse_from(words).args;
+    let picker = prefix_router::epp::spawn(args, grpc, http, Some(client))
+        .await
+        .unwrap();
+    let router = picker.http.url();
+    let grpc = picker.grpc_url();
+
+    // No pool yet: alive, not ready, no backends.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(readiness(&grpc).await, ServingStatus::NotServing as i32);
+    assert_eq!(health(&router).await, (0, 0));
+
+    fake.change("ADDED", pool(json!({"app": "vllm"}), &ports[..2]));
+    until_backends(&router, &ports[..2]).await;
+    assert_eq!(readiness(&grpc).await, ServingStatus::Serving as i32);
+
+    // A port added to the pool: one more endpoint.
+    fake.change("MODIFIED", pool(json!({"app": "vllm"}), &ports));
+    until_backends(&router, &ports).await;
+    // The pod stops being Ready, then is again.
+    fake.change("MODIFIED", pod("vllm-0", 1, false, json!({})));
+    until_backends(&router, &[]).await;
+    fake.change("MODIFIED", pod("vllm-0", 1, true, json!({})));
+    until_backends(&router, &ports).await;
+    // A selector the pod does not match: no endpoints.
+    fake.change(
+        "MODIFIED",
+        pool(json!({"app": "vllm", "tier": "gold"}), &ports),
+    );
+    until_backends(&router, &[]).await;
+    fake.change("MODIFIED", pod("vllm-0", 1, true, json!({"tier": "gold"})));
+    until_backends(&router, &ports).await;
+    // The pool deleted: nothing; created again, on one port: its endpoint.
+    fake.change("DELETED", pool(json!({"app": "vllm"}), &ports));
+    until_backends(&router, &[]).await;
+    fake.change("ADDED", pool(json!({"app": "vllm"}), &ports[2..]));
+    until_backends(&router, &ports[2..]).await;
+    drop(picker);
+    sims.shutdown().await;
 }

@@ -179,6 +179,11 @@ pub struct ServeArgs {
     /// k8s: a pod label naming the model the pod serves (else its /v1/models is asked).
     #[arg(long, env = "PREFIX_ROUTER_K8S_MODEL_LABEL", default_value = "model")]
     pub k8s_model_label: String,
+    /// k8s: take the pods' selector and ports from this InferencePool
+    /// (`inference.networking.k8s.io/v1`, in `--namespace`), following its changes, instead of
+    /// `--label-selector` and `--k8s-port`. Implies `--discovery k8s`.
+    #[arg(long, env = "PREFIX_ROUTER_INFERENCE_POOL")]
+    pub inference_pool: Option<String>,
 
     // The production-stack router's flags, mapped onto ours.
     /// (production-stack) Comma-separated backend URLs.
@@ -361,11 +366,15 @@ impl ServeArgs {
 
     /// The Kubernetes discovery settings, when `--discovery k8s`.
     pub fn k8s(&self) -> Option<super::discovery::K8sSettings> {
-        (self.discovery == "k8s").then(|| super::discovery::K8sSettings {
-            namespace: self.namespace.clone(),
-            label_selector: self.label_selector.clone(),
-            port: self.k8s_port,
-            model_label: self.k8s_model_label.clone(),
+        (self.discovery == "k8s" || self.inference_pool.is_some()).then(|| {
+            super::discovery::K8sSettings {
+                namespace: self.namespace.clone(),
+                label_selector: self.label_selector.clone(),
+                port: self.k8s_port,
+                target_ports: None,
+                model_label: self.k8s_model_label.clone(),
+                inference_pool: self.inference_pool.clone(),
+            }
         })
     }
 

@@ -7,6 +7,8 @@
 //! A changed pod IP is a new backend URL: the old one leaves, the new one joins.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
@@ -24,56 +26,77 @@ pub struct K8sSettings {
     pub label_selector: Option<String>,
     /// Port of the pods' OpenAI server when a pod declares no container port named `http`.
     pub port: u16,
+    /// The ports every selected pod serves on (an InferencePool's `targetPorts`): one backend
+    /// per pod and port, whatever the pod declares.
+    pub target_ports: Option<Vec<u16>>,
     /// A pod label whose value, when present, is the model the pod serves (instead of asking
     /// its `/v1/models`).
     pub model_label: String,
+    /// The InferencePool whose selector and ports replace `label_selector` and `port`.
+    pub inference_pool: Option<String>,
 }
 
-/// The backend a pod stands for, if it is one now.
-pub fn pod_backend(pod: &Pod, settings: &K8sSettings) -> Option<BackendSpec> {
-    let status = pod.status.as_ref()?;
+/// The backends a pod stands for now: one, on its `http` port (else the default), or one per
+/// target port; none unless it is Ready, has an IP and is not being deleted.
+pub fn pod_backends(pod: &Pod, settings: &K8sSettings) -> Vec<BackendSpec> {
+    let Some(status) = pod.status.as_ref() else {
+        return Vec::new();
+    };
     if pod.metadata.deletion_timestamp.is_some() {
-        return None;
+        return Vec::new();
     }
     let ready = status
         .conditions
         .iter()
         .flatten()
         .any(|c| c.type_ == "Ready" && c.status == "True");
-    let ip = status.pod_ip.as_deref().filter(|ip| !ip.is_empty())?;
+    let Some(ip) = status.pod_ip.as_deref().filter(|ip| !ip.is_empty()) else {
+        return Vec::new();
+    };
     if !ready {
-        return None;
+        return Vec::new();
     }
-    let port = pod
-        .spec
-        .iter()
-        .flat_map(|s| s.containers.iter())
-        .flat_map(|c| c.ports.iter().flatten())
-        .find(|p| p.name.as_deref() == Some("http"))
-        .and_then(|p| u16::try_from(p.container_port).ok())
-        .unwrap_or(settings.port);
+    let ports = match &settings.target_ports {
+        Some(ports) => ports.clone(),
+        None => vec![pod
+            .spec
+            .iter()
+            .flat_map(|s| s.containers.iter())
+            .flat_map(|c| c.ports.iter().flatten())
+            .find(|p| p.name.as_deref() == Some("http"))
+            .and_then(|p| u16::try_from(p.container_port).ok())
+            .unwrap_or(settings.port)],
+    };
     let host = if ip.contains(':') {
         format!("[{ip}]")
     } else {
         ip.to_owned()
     };
-    let mut spec = BackendSpec::new(&format!("http://{host}:{port}"));
-    spec.models = pod
+    let models = pod
         .metadata
         .labels
         .as_ref()
         .and_then(|l| l.get(&settings.model_label))
         .map(|m| vec![m.clone()]);
-    Some(spec)
+    ports
+        .into_iter()
+        .map(|port| {
+            let mut spec = BackendSpec::new(&format!("http://{host}:{port}"));
+            spec.models = models.clone();
+            spec
+        })
+        .collect()
 }
 
-/// Watches the pods and keeps the fleet equal to `static_specs` plus the Ready pods.
+/// Watches the pods and keeps the fleet equal to `static_specs` plus the Ready pods; `synced`
+/// turns true once the first full list is applied.
 pub async fn run(
     monitor: WeakMonitor,
     client: kube::Client,
     settings: K8sSettings,
     static_specs: Vec<BackendSpec>,
     api_key: Option<String>,
+    synced: Arc<AtomicBool>,
 ) {
     let api: Api<Pod> = match &settings.namespace {
         Some(ns) => Api::namespaced(client, ns),
@@ -85,8 +108,8 @@ pub async fn run(
     }
     let mut events = watcher::watcher(api, config).default_backoff().boxed();
     // Pods by name; `listing` collects a re-list until it is complete.
-    let mut pods: BTreeMap<String, BackendSpec> = BTreeMap::new();
-    let mut listing: Option<BTreeMap<String, BackendSpec>> = None;
+    let mut pods: BTreeMap<String, Vec<BackendSpec>> = BTreeMap::new();
+    let mut listing: Option<BTreeMap<String, Vec<BackendSpec>>> = None;
     while let Some(event) = events.next().await {
         let changed = match event {
             Ok(Event::Init) => {
@@ -95,8 +118,9 @@ pub async fn run(
             }
             Ok(Event::InitApply(pod)) => {
                 if let (Some(list), Some(name)) = (listing.as_mut(), pod.metadata.name.clone()) {
-                    if let Some(spec) = pod_backend(&pod, &settings) {
-                        list.insert(name, spec);
+                    let specs = pod_backends(&pod, &settings);
+                    if !specs.is_empty() {
+                        list.insert(name, specs);
                     }
                 }
                 false
@@ -109,9 +133,11 @@ pub async fn run(
                 let Some(name) = pod.metadata.name.clone() else {
                     continue;
                 };
-                match pod_backend(&pod, &settings) {
-                    Some(spec) => pods.insert(name, spec.clone()) != Some(spec),
-                    None => pods.remove(&name).is_some(),
+                let specs = pod_backends(&pod, &settings);
+                if specs.is_empty() {
+                    pods.remove(&name).is_some()
+                } else {
+                    pods.insert(name, specs.clone()) != Some(specs)
                 }
             }
             Ok(Event::Delete(pod)) => pod
@@ -131,43 +157,79 @@ pub async fn run(
             return;
         };
         let mut specs = static_specs.clone();
-        for spec in pods.values() {
+        for spec in pods.values().flatten() {
             let mut spec = spec.clone();
             spec.api_key = api_key.clone();
             if !specs.iter().any(|s| s.url == spec.url) {
                 specs.push(spec);
             }
         }
-        tracing::info!(pods = pods.len(), "pods changed");
+        tracing::info!(pods = pods.len(), backends = specs.len(), "pods changed");
         if let Err(e) = monitor.apply(&specs).await {
             tracing::warn!(error = %e, "could not apply the discovered pods");
         }
+        synced.store(true, Ordering::Release);
     }
 }
 
 /// Starts discovery in the background: in-cluster configuration or KUBECONFIG, unless a
-/// client is given (tests point one at a fake API server).
+/// client is given (tests point one at a fake API server). The flag it returns turns true once
+/// the pods (of the InferencePool, when one is named) have been listed and applied.
 pub async fn spawn(
     monitor: &Monitor,
     settings: K8sSettings,
     static_specs: Vec<BackendSpec>,
     api_key: Option<String>,
     client: Option<kube::Client>,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Arc<AtomicBool>> {
     let client = match client {
         Some(c) => c,
         None => kube::Client::try_default().await.map_err(|e| {
             anyhow::anyhow!("Kubernetes discovery: no in-cluster configuration or KUBECONFIG: {e}")
         })?,
     };
-    tokio::spawn(run(
-        monitor.downgrade(),
+    let synced = Arc::new(AtomicBool::new(false));
+    let pods = PodWatch {
+        monitor: monitor.downgrade(),
         client,
-        settings,
         static_specs,
         api_key,
-    ));
-    Ok(())
+        synced: synced.clone(),
+    };
+    match settings.inference_pool.clone() {
+        Some(pool) => {
+            tokio::spawn(super::inference_pool::run(pods, settings, pool));
+        }
+        None => {
+            tokio::spawn(pods.watch(settings));
+        }
+    }
+    Ok(synced)
+}
+
+/// What a pod watch needs besides its settings (the InferencePool watcher restarts it with new
+/// settings when the pool changes).
+#[derive(Clone)]
+pub struct PodWatch {
+    pub monitor: WeakMonitor,
+    pub client: kube::Client,
+    pub static_specs: Vec<BackendSpec>,
+    pub api_key: Option<String>,
+    pub synced: Arc<AtomicBool>,
+}
+
+impl PodWatch {
+    /// Watches the pods `settings` select until the monitor goes.
+    pub fn watch(self, settings: K8sSettings) -> impl std::future::Future<Output = ()> + Send {
+        run(
+            self.monitor,
+            self.client,
+            settings,
+            self.static_specs,
+            self.api_key,
+            self.synced,
+        )
+    }
 }
 
 #[cfg(test)]
@@ -179,7 +241,9 @@ mod tests {
             namespace: None,
             label_selector: None,
             port: 8000,
+            target_ports: None,
             model_label: "model".into(),
+            inference_pool: None,
         }
     }
 
@@ -194,15 +258,25 @@ mod tests {
             "spec": {"containers": [{"name": "vllm", "ports": [{"name": "http", "containerPort": 9000}]}]},
             "status": {"podIP": "10.0.0.5", "conditions": [{"type": "Ready", "status": "True"}]}
         }));
-        let spec = pod_backend(&ready, &settings()).unwrap();
+        let spec = pod_backends(&ready, &settings()).remove(0);
         assert_eq!(spec.url, "http://10.0.0.5:9000");
         assert_eq!(spec.models, Some(vec!["m1".to_owned()]));
+        // A pool's target ports: one backend per port, the pod's own ports ignored.
+        let pool = K8sSettings {
+            target_ports: Some(vec![8001, 8002]),
+            ..settings()
+        };
+        let urls: Vec<String> = pod_backends(&ready, &pool)
+            .into_iter()
+            .map(|s| s.url)
+            .collect();
+        assert_eq!(urls, ["http://10.0.0.5:8001", "http://10.0.0.5:8002"]);
         let default_port = pod(serde_json::json!({
             "metadata": {"name": "b"},
             "spec": {"containers": [{"name": "vllm"}]},
             "status": {"podIP": "10.0.0.6", "conditions": [{"type": "Ready", "status": "True"}]}
         }));
-        let spec = pod_backend(&default_port, &settings()).unwrap();
+        let spec = pod_backends(&default_port, &settings()).remove(0);
         assert_eq!(
             (spec.url.as_str(), spec.models),
             ("http://10.0.0.6:8000", None)
@@ -211,11 +285,11 @@ mod tests {
             "metadata": {"name": "c"},
             "status": {"podIP": "10.0.0.7", "conditions": [{"type": "Ready", "status": "False"}]}
         }));
-        assert!(pod_backend(&not_ready, &settings()).is_none());
+        assert!(pod_backends(&not_ready, &settings()).is_empty());
         let no_ip = pod(serde_json::json!({
             "metadata": {"name": "d"},
             "status": {"conditions": [{"type": "Ready", "status": "True"}]}
         }));
-        assert!(pod_backend(&no_ip, &settings()).is_none());
+        assert!(pod_backends(&no_ip, &settings()).is_empty());
     }
 }

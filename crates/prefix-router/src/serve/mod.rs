@@ -6,11 +6,12 @@
 
 pub mod config;
 pub mod discovery;
-mod metrics;
+pub mod inference_pool;
+pub(crate) mod metrics;
 pub mod monitor;
 pub(crate) mod proxy;
 pub mod request_string;
-mod route;
+pub(crate) mod route;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -69,10 +70,10 @@ pub struct Gateway {
     pub admission: Option<Arc<Admission>>,
     /// Trace export (`--otlp-endpoint`).
     pub traces: Option<Arc<crate::traces::Traces>>,
-    metrics: Arc<GatewayMetrics>,
+    pub(crate) metrics: Arc<GatewayMetrics>,
     /// Every component's metrics, registered once at build.
     registry: Registry,
-    keys: crate::access::Keys,
+    pub(crate) keys: crate::access::Keys,
 }
 
 /// The prefix store a router uses: `--index-url`'s remote index, else `--store`. Notifies go
@@ -102,6 +103,14 @@ async fn open_store(args: &ServeArgs) -> anyhow::Result<(Arc<dyn PrefixStore>, b
 
 /// Builds the gateway from resolved arguments (without starting its background tasks).
 pub async fn gateway(args: &ServeArgs) -> anyhow::Result<Arc<Gateway>> {
+    Ok(gateway_with(args, |_| ()).await?.0)
+}
+
+/// [`gateway`], with a front end's own metrics registered beside the core's.
+pub(crate) async fn gateway_with<T>(
+    args: &ServeArgs,
+    register: impl FnOnce(&mut Registry) -> T,
+) -> anyhow::Result<(Arc<Gateway>, T)> {
     let (store, inline_notify) = open_store(args).await?;
     let header_name = |flag: &str, name: &str| {
         HeaderName::try_from(name.to_ascii_lowercase())
@@ -158,6 +167,7 @@ pub async fn gateway(args: &ServeArgs) -> anyhow::Result<Arc<Gateway>> {
         keys = keys.with_tenants(tenants);
     }
     let metrics = Arc::new(GatewayMetrics::register(&mut registry));
+    let front_end = register(&mut registry);
     {
         let metrics = metrics.clone();
         core.on_backend_left(move |b| metrics.forget_backend(b));
@@ -202,7 +212,7 @@ pub async fn gateway(args: &ServeArgs) -> anyhow::Result<Arc<Gateway>> {
         Some(endpoint) => Some(crate::traces::Traces::start(endpoint, args.otlp_interval)?),
         None => None,
     };
-    Ok(Arc::new(Gateway {
+    let gateway = Arc::new(Gateway {
         admission,
         traces,
         core,
@@ -221,7 +231,8 @@ pub async fn gateway(args: &ServeArgs) -> anyhow::Result<Arc<Gateway>> {
         metrics,
         registry,
         keys,
-    }))
+    });
+    Ok((gateway, front_end))
 }
 
 /// Re-reads the config file when it changes.
@@ -291,13 +302,13 @@ async fn models(State(gw): State<Arc<Gateway>>) -> Json<serde_json::Value> {
     }))
 }
 
-async fn health(State(gw): State<Arc<Gateway>>) -> Json<serde_json::Value> {
+pub(crate) async fn health(State(gw): State<Arc<Gateway>>) -> Json<serde_json::Value> {
     let fleet = gw.core.fleet.snapshot();
     let healthy = fleet.iter().filter(|b| b.is_healthy()).count();
     Json(json!({"status": "ok", "backends": fleet.len(), "healthy_backends": healthy}))
 }
 
-async fn metrics_text(State(gw): State<Arc<Gateway>>) -> Response {
+pub(crate) async fn metrics_text(State(gw): State<Arc<Gateway>>) -> Response {
     gw.core.observe_fleet();
     (
         [(
@@ -348,12 +359,13 @@ pub fn app(gw: Arc<Gateway>) -> Router {
         .layer(CatchPanicLayer::custom(api_error::panic_response))
 }
 
-/// Starts the background work: monitoring, config file, Kubernetes discovery.
-async fn start_background(
+/// Starts the background work: monitoring, config file, Kubernetes discovery. The flag turns
+/// true once the backends are known (at once, unless they come from Kubernetes).
+pub(crate) async fn start_background(
     gw: &Arc<Gateway>,
     args: &ServeArgs,
     k8s_client: Option<kube::Client>,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Arc<std::sync::atomic::AtomicBool>> {
     monitor::spawn(&gw.monitor);
     match args.k8s() {
         Some(settings) => {
@@ -365,11 +377,13 @@ async fn start_background(
                 args.backend_api_key.clone(),
                 k8s_client,
             )
-            .await?;
+            .await
         }
-        None => watch_config(&gw.monitor, args.clone()),
+        None => {
+            watch_config(&gw.monitor, args.clone());
+            Ok(Arc::new(std::sync::atomic::AtomicBool::new(true)))
+        }
     }
-    Ok(())
 }
 
 /// Runs the gateway until SIGINT or SIGTERM.

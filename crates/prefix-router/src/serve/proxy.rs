@@ -154,7 +154,7 @@ impl Live {
 }
 
 /// The number after `"prompt_tokens":` in a piece of an answer, if there is one.
-fn prompt_tokens_in(frame: &[u8]) -> Option<u64> {
+pub(crate) fn prompt_tokens_in(frame: &[u8]) -> Option<u64> {
     const KEY: &[u8] = b"\"prompt_tokens\":";
     let at = memchr::memmem::find(frame, KEY)?;
     frame[at + KEY.len()..]

@@ -126,24 +126,39 @@ fn limited(tenant: &Tenant, why: Limited) -> Response {
     response
 }
 
-/// The request path of every proxied endpoint.
-pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Response {
-    let received = Instant::now();
-    let (mut parts, body) = req.into_parts();
-    let tenant = parts.extensions.get::<Arc<Tenant>>().cloned();
-    let priority = match priority(&parts.headers, tenant.as_deref()) {
-        Ok(p) => p,
-        Err(e) => return e.into_response(),
-    };
-    let body = match read_body(body, gw.settings.max_body).await {
-        Ok(b) => b,
-        Err(e) => return e.into_response(),
-    };
-    let routing = match request_string::routing(endpoint, &body) {
-        Ok(r) => r,
-        Err(e) => return ApiError::from(e).into_response(),
-    };
-    let candidates = gw.core.candidates(routing.model.as_deref());
+/// A request the core has placed: the choice, and what its sending and accounting need.
+pub(crate) struct Placed {
+    /// Streamed: the backend's head comes at once, so waiting for it is bounded.
+    pub stream: bool,
+    /// Length of its request string (against the prompt tokens the answer reports).
+    pub text_bytes: u64,
+    /// The metric label of its model.
+    pub model: Arc<str>,
+    /// Its admission: used up once the request is counted against a backend.
+    pub permit: Permit,
+    /// Its place under its tenant's concurrency cap, held until the answer ends.
+    pub tenant_guard: Option<TenantGuard>,
+    /// What the string index learns where it is sent.
+    pub prompt: Option<PromptKey>,
+    pub decision: crate::core::Decision,
+}
+
+/// Everything between a read body and the choice of backends, for every front end: the
+/// request's priority and model, the candidates (only those `eligible` allows, when given),
+/// its tenant's limits, the gateway queue, and the core's decision. A refusal is the
+/// OpenAI-shaped response to answer with; nothing was taken or taught then.
+pub(crate) async fn place(
+    gw: &Arc<Gateway>,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    tenant: Option<&Arc<Tenant>>,
+    body: &[u8],
+    eligible: Option<&(dyn Fn(&Backend) -> bool + Sync)>,
+) -> Result<Placed, Response> {
+    let priority = priority(headers, tenant.map(|t| &**t)).map_err(IntoResponse::into_response)?;
+    let routing =
+        request_string::routing(endpoint, body).map_err(|e| ApiError::from(e).into_response())?;
+    let mut candidates = gw.core.candidates(routing.model.as_deref());
     let known = candidates.model.is_some();
     // The label is a name some backend serves, or a constant: never the client's text.
     let model = candidates.model.unwrap_or_else(|| match routing.model {
@@ -154,8 +169,11 @@ pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Respon
         .incoming
         .get_or_create(&model_label(model.clone()))
         .inc();
+    if let Some(eligible) = eligible {
+        candidates.backends.retain(|b| eligible(b));
+    }
     if candidates.backends.is_empty() {
-        return match (&routing.model, known) {
+        return Err(match (&routing.model, known) {
             (Some(m), false) => {
                 ApiError::not_found(format!("The model `{m}` does not exist.")).into_response()
             }
@@ -164,14 +182,14 @@ pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Respon
                 "no healthy backend serves this model",
             )
             .into_response(),
-        };
+        });
     }
     // Within its tenant's rate and cap (held until the answer's last byte), or refused
     // before it waits or takes anything.
-    let tenant_guard = match &tenant {
+    let tenant_guard = match tenant {
         Some(t) => match t.admit(Instant::now()) {
             Ok(guard) => Some(guard),
-            Err(why) => return limited(t, why),
+            Err(why) => return Err(limited(t, why)),
         },
         None => None,
     };
@@ -181,32 +199,24 @@ pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Respon
         Some(admission) => {
             let ticket = Ticket {
                 priority,
-                tenant: fairness_key(
-                    &parts.headers,
-                    &gw.settings.tenant_header,
-                    tenant.as_deref(),
-                ),
+                tenant: fairness_key(headers, &gw.settings.tenant_header, tenant.map(|t| &**t)),
                 model: known.then(|| model.clone()),
             };
-            match admission.admit(ticket).await {
-                Ok(permit) => permit,
-                Err(r) => return refused(r),
-            }
+            admission.admit(ticket).await.map_err(refused)?
         }
         None => Permit::free(),
     };
     let prompt = (gw.core.uses_prefixes() && endpoint != Endpoint::Other)
         .then(|| gw.core.strings.key(&routing.text));
     let tokens = if gw.core.events.is_some() && gw.core.uses_prefixes() {
-        token_ids(&gw, endpoint, routing.model.as_deref(), &body)
+        token_ids(gw, endpoint, routing.model.as_deref(), body)
     } else {
         None
     };
     let decision = if endpoint == Endpoint::Other {
         gw.core.pick_by_load(candidates.backends)
     } else {
-        let session = parts
-            .headers
+        let session = headers
             .get(&gw.settings.session_header)
             .and_then(|v| v.to_str().ok());
         gw.core
@@ -220,11 +230,36 @@ pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Respon
             )
             .await
     };
+    Ok(Placed {
+        stream: routing.stream,
+        text_bytes: routing.text.len() as u64,
+        model,
+        permit,
+        tenant_guard,
+        prompt,
+        decision,
+    })
+}
+
+/// The request path of every proxied endpoint.
+pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Response {
+    let received = Instant::now();
+    let (mut parts, body) = req.into_parts();
+    let tenant = parts.extensions.get::<Arc<Tenant>>().cloned();
+    let body = match read_body(body, gw.settings.max_body).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    let placed = match place(&gw, endpoint, &parts.headers, tenant.as_ref(), &body, None).await {
+        Ok(p) => p,
+        Err(refusal) => return refusal,
+    };
+    let decision = &placed.decision;
     // Its span, when traces are exported: the client's trace continues here and upstream.
     let span = gw.traces.as_ref().map(|t| {
         let span = t.request(format!("POST {}", parts.uri.path()), &mut parts.headers);
         span.set([
-            KeyValue::new("gen_ai.request.model", model.to_string()),
+            KeyValue::new("gen_ai.request.model", placed.model.to_string()),
             KeyValue::new("prefix_router.policy", gw.core.policy_name()),
             KeyValue::new("prefix_router.reason", decision.reason.label()),
             KeyValue::new("prefix_router.index", decision.index),
@@ -235,25 +270,7 @@ pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Respon
         ]);
         span
     });
-    forward(
-        &gw,
-        Outgoing {
-            parts,
-            body,
-            stream: routing.stream,
-            text_bytes: routing.text.len() as u64,
-            received,
-            model,
-            permit,
-            tenant_guard,
-            span,
-        },
-        decision.order,
-        &decision.uncached,
-        prompt.as_ref(),
-        decision.block_names.as_ref(),
-    )
-    .await
+    forward(&gw, parts, body, received, placed, span).await
 }
 
 /// The request's token ids exactly as vLLM computes them, or None (counted) where this router
@@ -291,25 +308,6 @@ fn token_ids(
     }
 }
 
-/// A request on its way to a backend.
-struct Outgoing {
-    parts: axum::http::request::Parts,
-    body: bytes::Bytes,
-    /// Streamed: the backend's head comes at once, so waiting for it is bounded.
-    stream: bool,
-    /// Length of its request string (against the prompt tokens the answer reports).
-    text_bytes: u64,
-    received: Instant,
-    /// The metric label of its model.
-    model: Arc<str>,
-    /// Its admission: used up once the request is counted against a backend.
-    permit: Permit,
-    /// Its place under its tenant's concurrency cap, held until the answer ends.
-    tenant_guard: Option<TenantGuard>,
-    /// Its trace span, ended with the answer.
-    span: Option<RequestSpan>,
-}
-
 /// Sends the request to the first backend of `order`, moving on after a connection error or a
 /// 5xx (at most `--max-retries` times) while nothing has reached the client yet.
 ///
@@ -320,23 +318,21 @@ struct Outgoing {
 /// a failed connection is (and the health checks decide).
 async fn forward(
     gw: &Arc<Gateway>,
-    req: Outgoing,
-    order: Vec<Arc<Backend>>,
-    uncached: &[u64],
-    prompt: Option<&PromptKey>,
-    block_names: Option<&Arc<[u64]>>,
+    parts: axum::http::request::Parts,
+    body: bytes::Bytes,
+    received: Instant,
+    placed: Placed,
+    span: Option<RequestSpan>,
 ) -> Response {
-    let Outgoing {
-        parts,
-        body,
+    let Placed {
         stream,
         text_bytes,
-        received,
         model,
         permit,
         tenant_guard,
-        span,
-    } = req;
+        prompt,
+        decision,
+    } = placed;
     // A failure answered here ends the span; an answer passed through ends it at its end.
     let failed = |response: Response| {
         if let Some(s) = &span {
@@ -355,7 +351,7 @@ async fn forward(
         headers.remove(axum::http::header::AUTHORIZATION);
     }
     let deadline = received + gw.settings.request_timeout;
-    let attempts = order.len().min(gw.settings.max_retries + 1);
+    let attempts = decision.order.len().min(gw.settings.max_retries + 1);
     let mut last_error: Option<Response> = None;
     let timed_out = || {
         ApiError::new(
@@ -364,47 +360,29 @@ async fn forward(
         )
         .into_response()
     };
-    for (attempt, backend) in order.into_iter().take(attempts).enumerate() {
-        gw.core.sent(prompt, block_names, &backend).await;
-        let upstream =
-            proxy::upstream_request(&backend, &parts.method, &parts.uri, &headers, body.clone());
-        // The prefill it asks of the backend: what the backend does not hold, or the whole
-        // prompt (estimated from its bytes) where matches are not known.
-        let uncached = uncached.get(attempt).copied().unwrap_or_else(|| {
-            (text_bytes as f64 / backend.bytes_per_token().max(0.1)).round() as u64
-        });
-        let row = backend.row();
-        let mut guard = InflightGuard::new(backend.clone(), uncached);
-        guard.tell_when_load_eases(load_eased.clone());
-        // Counted against a backend now: the queue may release the next request.
-        drop(permit.take());
-        if stream {
-            // Its TTFT teaches the backend's prefill line, and says how right the line was.
-            let work = crate::core::policy::prefill_work(&row, uncached);
-            let predicted = crate::core::policy::ttft_of_work(&row, work);
-            let (gw2, b2) = (gw.clone(), backend.clone());
-            let decoding = row.inflight.saturating_sub(row.waiting_first_byte);
-            let span2 = span.clone();
-            guard.on_first_byte(Box::new(move |ttft| {
-                let ttft = ttft.as_secs_f64();
-                if let Some(s) = &span2 {
-                    s.set([KeyValue::new("prefix_router.ttft_s", ttft)]);
-                }
-                tracing::debug!(
-                    target: "prefix_router::ttft",
-                    backend = %b2.url(), work, uncached, decoding, predicted, ttft,
-                    "first byte"
-                );
-                b2.prefill.observe(work, ttft);
-                gw2.metrics.observe_ttft(&b2, ttft, predicted);
-            }));
-        }
-        backend.routed.fetch_add(1, Relaxed);
+    for (attempt, backend) in decision.order.into_iter().take(attempts).enumerate() {
+        let guard = begin_attempt(
+            gw,
+            Attempt {
+                backend: &backend,
+                load_eased: load_eased.clone(),
+                uncached: decision.uncached.get(attempt).copied(),
+                text_bytes,
+                stream,
+                prompt: prompt.as_ref(),
+                block_names: decision.block_names.as_ref(),
+                span: span.as_ref(),
+            },
+            &mut permit,
+        )
+        .await;
         if attempt == 0 {
             gw.metrics
                 .added_latency
                 .observe(received.elapsed().as_secs_f64());
         }
+        let upstream =
+            proxy::upstream_request(&backend, &parts.method, &parts.uri, &headers, body.clone());
         let last = attempt + 1 == attempts;
         let attempt_deadline = if stream {
             deadline.min(Instant::now() + gw.settings.upstream_timeout)
@@ -468,7 +446,75 @@ async fn forward(
     failed(last_error.unwrap_or_else(|| bad_gateway("every backend tried failed")))
 }
 
-fn record(gw: &Gateway, backend: &Backend, model: &Arc<str>, status: u16, received: Instant) {
+/// One try of a request on one backend.
+pub(crate) struct Attempt<'a> {
+    pub backend: &'a Arc<Backend>,
+    /// Woken when this attempt's load leaves the backend (the gateway queue's waker).
+    pub load_eased: Option<Arc<tokio::sync::Notify>>,
+    /// The prompt tokens the backend lacks, where the matches are known.
+    pub uncached: Option<u64>,
+    pub text_bytes: u64,
+    pub stream: bool,
+    pub prompt: Option<&'a PromptKey>,
+    pub block_names: Option<&'a Arc<[u64]>>,
+    pub span: Option<&'a RequestSpan>,
+}
+
+/// Counts a request against the backend it is about to reach, for every front end: the index
+/// learns where it went, the backend's in-flight count and queued prefill grow (the returned
+/// guard shrinks them), the queue's permit is used up, and (streamed) its first byte will
+/// teach the backend's prefill line.
+pub(crate) async fn begin_attempt(
+    gw: &Arc<Gateway>,
+    attempt: Attempt<'_>,
+    permit: &mut Option<Permit>,
+) -> InflightGuard {
+    let backend = attempt.backend;
+    gw.core
+        .sent(attempt.prompt, attempt.block_names, backend)
+        .await;
+    // The prefill it asks of the backend: what the backend does not hold, or the whole
+    // prompt (estimated from its bytes) where matches are not known.
+    let uncached = attempt.uncached.unwrap_or_else(|| {
+        (attempt.text_bytes as f64 / backend.bytes_per_token().max(0.1)).round() as u64
+    });
+    let row = backend.row();
+    let mut guard = InflightGuard::new(backend.clone(), uncached);
+    guard.tell_when_load_eases(attempt.load_eased);
+    // Counted against a backend now: the queue may release the next request.
+    drop(permit.take());
+    if attempt.stream {
+        // Its TTFT teaches the backend's prefill line, and says how right the line was.
+        let work = crate::core::policy::prefill_work(&row, uncached);
+        let predicted = crate::core::policy::ttft_of_work(&row, work);
+        let (gw2, b2) = (gw.clone(), backend.clone());
+        let decoding = row.inflight.saturating_sub(row.waiting_first_byte);
+        let span = attempt.span.cloned();
+        guard.on_first_byte(Box::new(move |ttft| {
+            let ttft = ttft.as_secs_f64();
+            if let Some(s) = &span {
+                s.set([KeyValue::new("prefix_router.ttft_s", ttft)]);
+            }
+            tracing::debug!(
+                target: "prefix_router::ttft",
+                backend = %b2.url(), work, uncached, decoding, predicted, ttft,
+                "first byte"
+            );
+            b2.prefill.observe(work, ttft);
+            gw2.metrics.observe_ttft(&b2, ttft, predicted);
+        }));
+    }
+    backend.routed.fetch_add(1, Relaxed);
+    guard
+}
+
+pub(crate) fn record(
+    gw: &Gateway,
+    backend: &Backend,
+    model: &Arc<str>,
+    status: u16,
+    received: Instant,
+) {
     gw.metrics.count_request(
         RequestLabels {
             backend: Label(backend.label.clone()),
