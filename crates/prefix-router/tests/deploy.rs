@@ -2,7 +2,7 @@
 //! deployment needs, and the router config they carry is one `serve` accepts.
 //!
 //! No `helm` binary here: the chart's templates are rendered by a small renderer of the subset
-//! of Go templates they use (values, release name, `quote`, `toYaml | nindent`, `if`/`end`), and
+//! of Go templates they use (values, release name, `quote`, `toYaml | nindent`, `if`/`else`/`end`), and
 //! the test fails if a template uses anything else.
 
 use std::path::{Path, PathBuf};
@@ -38,6 +38,92 @@ fn kind<'a>(all: &'a [Value], kind: &str) -> &'a Value {
 
 /// The checks every rendering must pass.
 fn check(all: &[Value], expect_scrape: bool) {
+    let args = check_common(all, expect_scrape);
+    let container = get(kind(all, "Deployment"), "spec.template.spec.containers.0");
+    assert_eq!(
+        get(container, "readinessProbe.httpGet.path").as_str(),
+        Some("/health")
+    );
+    assert_eq!(get(container, "args.0").as_str(), Some("serve"));
+    assert_eq!(args.discovery, "k8s");
+    assert_eq!(args.label_selector.as_deref(), Some("app=vllm"));
+    assert!(args.k8s().is_some());
+}
+
+/// The checks of a rendering that deploys the endpoint picker with its pool.
+fn check_epp(all: &[Value]) {
+    let args = check_common(all, true);
+    let container = get(kind(all, "Deployment"), "spec.template.spec.containers.0");
+    assert_eq!(get(container, "args.0").as_str(), Some("epp"));
+    assert_eq!(
+        get(container, "readinessProbe.grpc.service").as_str(),
+        Some("readiness"),
+        "ready once the pool's pods are listed"
+    );
+    let env = container["env"].as_sequence().unwrap();
+    let grpc_listen = env
+        .iter()
+        .find(|e| e["name"].as_str() == Some("PREFIX_ROUTER_GRPC_LISTEN"))
+        .expect("the gRPC address");
+    let grpc_port: u64 = grpc_listen["value"]
+        .as_str()
+        .unwrap()
+        .strip_prefix("0.0.0.0:")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let role = kind(all, "Role");
+    assert_eq!(
+        get(role, "rules.1.resources.0").as_str(),
+        Some("inferencepools")
+    );
+    let pool = kind(all, "InferencePool");
+    assert_eq!(
+        pool["apiVersion"].as_str(),
+        Some("inference.networking.k8s.io/v1")
+    );
+    assert_eq!(
+        args.inference_pool.as_deref(),
+        pool["metadata"]["name"].as_str(),
+        "the picker follows the pool the manifests create"
+    );
+    assert_eq!(args.k8s().unwrap().inference_pool, args.inference_pool);
+    assert_eq!(
+        get(pool, "spec.selector.matchLabels.app").as_str(),
+        Some("vllm")
+    );
+    assert_eq!(get(pool, "spec.targetPorts.0.number").as_u64(), Some(8000));
+    // The pool names the picker's Service and its gRPC port.
+    let service = kind(all, "Service");
+    assert_eq!(
+        get(pool, "spec.endpointPickerRef.name"),
+        &service["metadata"]["name"]
+    );
+    let grpc = service["spec"]["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"].as_str() == Some("grpc"))
+        .expect("a gRPC Service port");
+    assert_eq!(grpc["port"].as_u64(), Some(grpc_port));
+    assert_eq!(
+        get(pool, "spec.endpointPickerRef.port.number").as_u64(),
+        Some(grpc_port)
+    );
+    let route = kind(all, "HTTPRoute");
+    assert_eq!(
+        get(route, "spec.rules.0.backendRefs.0.kind").as_str(),
+        Some("InferencePool")
+    );
+    assert_eq!(
+        get(route, "spec.rules.0.backendRefs.0.name"),
+        &pool["metadata"]["name"]
+    );
+}
+
+/// What the gateway and the picker deployments share; returns the config the ConfigMap
+/// carries, as `serve` reads it.
+fn check_common(all: &[Value], expect_scrape: bool) -> prefix_router::serve::ServeArgs {
     let role = kind(all, "Role");
     assert_eq!(get(role, "rules.0.resources.0").as_str(), Some("pods"));
     let verbs: Vec<&str> = get(role, "rules.0.verbs")
@@ -58,12 +144,10 @@ fn check(all: &[Value], expect_scrape: bool) {
     let pod = get(deployment, "spec.template");
     assert_eq!(get(pod, "spec.serviceAccountName").as_str(), Some(account));
     let container = get(pod, "spec.containers.0");
-    for probe in ["readinessProbe", "livenessProbe"] {
-        assert_eq!(
-            get(container, &format!("{probe}.httpGet.path")).as_str(),
-            Some("/health")
-        );
-    }
+    assert_eq!(
+        get(container, "livenessProbe.httpGet.path").as_str(),
+        Some("/health")
+    );
     let env = container["env"].as_sequence().unwrap();
     let listen = env
         .iter()
@@ -86,10 +170,11 @@ fn check(all: &[Value], expect_scrape: bool) {
     let toml = kind(all, "ConfigMap")["data"]["router.toml"]
         .as_str()
         .unwrap();
+    static WRITTEN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let file = std::env::temp_dir().join(format!(
         "deploy-router-{}-{}.toml",
         std::process::id(),
-        toml.len()
+        WRITTEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
     std::fs::write(&file, toml).unwrap();
     let args = prefix_router::serve::ServeArgs::from_words(&[
@@ -97,15 +182,42 @@ fn check(all: &[Value], expect_scrape: bool) {
         file.display().to_string(),
     ])
     .unwrap();
-    assert_eq!(args.discovery, "k8s");
-    assert_eq!(args.label_selector.as_deref(), Some("app=vllm"));
-    assert!(args.k8s().is_some());
+    std::fs::remove_file(&file).unwrap();
+    args
 }
 
 #[test]
 fn plain_manifests_are_complete() {
     let text = std::fs::read_to_string(deploy().join("manifests/prefix-router.yaml")).unwrap();
     check(&docs(&text), true);
+    let text = std::fs::read_to_string(deploy().join("manifests/epp.yaml")).unwrap();
+    check_epp(&docs(&text));
+}
+
+#[test]
+fn the_helm_chart_deploys_the_endpoint_picker_with_its_pool() {
+    let dir = deploy().join("helm/prefix-router");
+    let mut values: Value =
+        serde_norway::from_str(&std::fs::read_to_string(dir.join("values.yaml")).unwrap()).unwrap();
+    // Off by default: no pool, no route.
+    let all = render_chart(&dir, values.clone());
+    assert!(!all
+        .iter()
+        .any(|d| matches!(d["kind"].as_str(), Some("InferencePool" | "HTTPRoute"))));
+    values["epp"]["enabled"] = Value::from(true);
+    // No Gateway named: the pool, no route.
+    let all = render_chart(&dir, values.clone());
+    assert!(all
+        .iter()
+        .any(|d| d["kind"].as_str() == Some("InferencePool")));
+    assert!(!all.iter().any(|d| d["kind"].as_str() == Some("HTTPRoute")));
+    values["epp"]["gateway"] = Value::from("inference-gateway");
+    let all = render_chart(&dir, values);
+    check_epp(&all);
+    assert_eq!(
+        get(kind(&all, "HTTPRoute"), "spec.parentRefs.0.name").as_str(),
+        Some("inference-gateway")
+    );
 }
 
 // ---- a renderer for the chart's template subset ----------------------------------------------
@@ -182,6 +294,9 @@ fn render(template: &str, ctx: &Value) -> String {
         let action = action.trim();
         if let Some(cond) = action.strip_prefix("if ") {
             shown.push(truthy(lookup(ctx, cond)));
+        } else if action == "else" {
+            let branch = shown.pop().expect("else inside an if");
+            shown.push(!branch);
         } else if action == "end" {
             shown.pop().expect("balanced if/end");
         } else if shown.iter().all(|s| *s) {
