@@ -195,6 +195,42 @@ fn plain_manifests_are_complete() {
 }
 
 #[test]
+fn the_helm_chart_mounts_the_tenants_keys_file_from_a_secret() {
+    let dir = deploy().join("helm/prefix-router");
+    let mut values: Value =
+        serde_norway::from_str(&std::fs::read_to_string(dir.join("values.yaml")).unwrap()).unwrap();
+    let all = render_chart(&dir, values.clone());
+    let toml = kind(&all, "ConfigMap")["data"]["router.toml"]
+        .as_str()
+        .unwrap();
+    assert!(!toml.contains("api-keys-file"), "{toml}");
+    values["tenants"]["secretName"] = Value::from("router-keys");
+    let all = render_chart(&dir, values);
+    let args = check_common(&all, true);
+    let path = args
+        .tenants
+        .api_keys_file
+        .expect("the keys file is configured");
+    let pod = get(kind(&all, "Deployment"), "spec.template.spec");
+    let volume = pod["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|v| v["secret"]["secretName"].as_str() == Some("router-keys"))
+        .expect("the Secret is a volume");
+    let mount = get(pod, "containers.0.volumeMounts")
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == volume["name"])
+        .expect("and it is mounted");
+    assert_eq!(
+        path,
+        std::path::Path::new(mount["mountPath"].as_str().unwrap()).join("keys.toml")
+    );
+}
+
+#[test]
 fn the_helm_chart_deploys_the_endpoint_picker_with_its_pool() {
     let dir = deploy().join("helm/prefix-router");
     let mut values: Value =

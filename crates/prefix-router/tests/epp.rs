@@ -6,132 +6,21 @@
 
 mod common;
 
+use common::envoy::*;
+
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::time::Duration;
 
-use common::{eventually, fleet, instant, metric, text, LOOPBACK};
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+use common::{eventually, fleet, instant, metric, text};
+use envoy_types::pb::envoy::config::core::v3::Metadata;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    body_mutation, processing_request, processing_response, HttpBody, HttpHeaders, HttpTrailers,
-    ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
+    processing_request, processing_response, HttpHeaders, HttpTrailers, ProcessingRequest,
+    ProcessingResponse, ProtocolConfiguration,
 };
-use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
-use prefix_router::epp::{self, EppArgs, RunningPicker};
+use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Value};
+use prefix_router::epp;
 use serde_json::json;
-use tokio::sync::mpsc;
-
-/// A picker in front of `urls` (fast health checks), with `extra` words.
-async fn picker(urls: &[String], extra: &[&str]) -> RunningPicker {
-    let grpc = tokio::net::TcpListener::bind(SocketAddr::from(LOOPBACK))
-        .await
-        .unwrap();
-    let http = tokio::net::TcpListener::bind(SocketAddr::from(LOOPBACK))
-        .await
-        .unwrap();
-    let mut words = vec![
-        "epp".to_owned(),
-        "--grpc-listen".into(),
-        grpc.local_addr().unwrap().to_string(),
-        "--listen".into(),
-        http.local_addr().unwrap().to_string(),
-        "--health-interval".into(),
-        "100ms".into(),
-        "--metrics-interval".into(),
-        "100ms".into(),
-        "--unhealthy-after".into(),
-        "1".into(),
-    ];
-    for u in urls {
-        words.push("--backend".into());
-        words.push(u.clone());
-    }
-    words.extend(extra.iter().map(|s| s.to_string()));
-    let args = <Wrapper as clap::Parser>::parse_from(words).args;
-    epp::spawn(args, grpc, http, None).await.unwrap()
-}
-
-#[derive(clap::Parser)]
-struct Wrapper {
-    #[command(flatten)]
-    args: EppArgs,
-}
-
-/// The gateway's side of one ext_proc stream.
-struct Gateway {
-    tx: mpsc::Sender<ProcessingRequest>,
-    rx: tonic::Streaming<ProcessingResponse>,
-}
-
-impl Gateway {
-    async fn open(url: &str) -> Self {
-        let mut client = ExternalProcessorClient::connect(url.to_owned())
-            .await
-            .unwrap();
-        let (tx, outbound) = mpsc::channel(16);
-        let rx = client
-            .process(tokio_stream::wrappers::ReceiverStream::new(outbound))
-            .await
-            .unwrap()
-            .into_inner();
-        Self { tx, rx }
-    }
-
-    async fn send(&self, message: ProcessingRequest) {
-        self.tx.send(message).await.unwrap();
-    }
-
-    /// The picker's next answer (within 10 s).
-    async fn next(&mut self) -> ProcessingResponse {
-        tokio::time::timeout(Duration::from_secs(10), self.rx.message())
-            .await
-            .expect("the picker answered within 10 s")
-            .expect("the stream is fine")
-            .expect("the stream is open")
-    }
-
-    /// Whether an answer comes within `ms` (the picker must stay silent at some points).
-    async fn silent_for(&mut self, ms: u64) -> bool {
-        tokio::time::timeout(Duration::from_millis(ms), self.rx.message())
-            .await
-            .is_err()
-    }
-}
-
-fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
-    HeaderMap {
-        headers: pairs
-            .iter()
-            .map(|(k, v)| HeaderValue {
-                key: (*k).to_owned(),
-                raw_value: v.as_bytes().to_vec(),
-                ..Default::default()
-            })
-            .collect(),
-    }
-}
-
-fn full_duplex() -> Option<ProtocolConfiguration> {
-    Some(ProtocolConfiguration {
-        request_body_mode: BodySendMode::FullDuplexStreamed as i32,
-        response_body_mode: BodySendMode::FullDuplexStreamed as i32,
-        send_body_without_waiting_for_header_response: true,
-    })
-}
-
-fn metadata(namespace: &str, key: &str, kind: Kind) -> Option<Metadata> {
-    Some(Metadata {
-        filter_metadata: HashMap::from([(
-            namespace.to_owned(),
-            Struct {
-                fields: [(key.to_owned(), Value { kind: Some(kind) })].into(),
-            },
-        )]),
-        ..Default::default()
-    })
-}
 
 fn subset(endpoints: &[&str]) -> Option<Metadata> {
     metadata(
@@ -146,84 +35,6 @@ fn subset(endpoints: &[&str]) -> Option<Metadata> {
                 .collect(),
         }),
     )
-}
-
-fn request_headers(path: &str, meta: Option<Metadata>) -> ProcessingRequest {
-    ProcessingRequest {
-        protocol_config: full_duplex(),
-        metadata_context: meta,
-        request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
-            headers: Some(headers(&[
-                (":method", "POST"),
-                (":path", path),
-                (":authority", "gateway"),
-                ("content-type", "application/json"),
-                ("x-request-id", "req-1"),
-            ])),
-            end_of_stream: false,
-            ..Default::default()
-        })),
-        ..Default::default()
-    }
-}
-
-fn body(request: bool, bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
-    let body = HttpBody {
-        body: bytes.to_vec(),
-        end_of_stream,
-        ..Default::default()
-    };
-    ProcessingRequest {
-        request: Some(if request {
-            processing_request::Request::RequestBody(body)
-        } else {
-            processing_request::Request::ResponseBody(body)
-        }),
-        ..Default::default()
-    }
-}
-
-/// The picked endpoints, from the headers' answer; checks the header and the metadata agree.
-fn picked(answer: &ProcessingResponse) -> Vec<String> {
-    let Some(processing_response::Response::RequestHeaders(h)) = &answer.response else {
-        panic!("expected the request headers' answer, got {answer:?}");
-    };
-    let common = h.response.as_ref().unwrap();
-    assert!(common.clear_route_cache, "the route is chosen again");
-    let set = &common.header_mutation.as_ref().unwrap().set_headers;
-    let header = set
-        .iter()
-        .filter_map(|o| o.header.as_ref())
-        .find(|h| h.key == epp::DESTINATION)
-        .map(|h| String::from_utf8(h.raw_value.clone()).unwrap())
-        .expect("the destination header is set");
-    let meta = answer.dynamic_metadata.as_ref().unwrap().fields[epp::LB_NAMESPACE].clone();
-    let Some(Kind::StructValue(lb)) = meta.kind else {
-        panic!("envoy.lb is a struct");
-    };
-    let Some(Kind::StringValue(value)) = &lb.fields[epp::DESTINATION].kind else {
-        panic!("the metadata endpoint is a string");
-    };
-    assert_eq!(&header, value, "header and metadata carry the same value");
-    header.split(',').map(str::to_owned).collect()
-}
-
-/// The bytes of a streamed body answer, and whether it ends the stream.
-fn streamed(answer: &ProcessingResponse, request: bool) -> (Vec<u8>, bool) {
-    let b = match (&answer.response, request) {
-        (Some(processing_response::Response::RequestBody(b)), true) => b,
-        (Some(processing_response::Response::ResponseBody(b)), false) => b,
-        _ => panic!("expected a body answer, got {answer:?}"),
-    };
-    let Some(body_mutation::Mutation::StreamedResponse(s)) = b
-        .response
-        .as_ref()
-        .and_then(|c| c.body_mutation.as_ref())
-        .and_then(|m| m.mutation.as_ref())
-    else {
-        panic!("expected a streamed body, got {answer:?}");
-    };
-    (s.body.clone(), s.end_of_stream)
 }
 
 /// An immediate answer's status and JSON body.
@@ -250,7 +61,9 @@ async fn ask(
     let size = body_bytes.len().div_ceil(pieces);
     let chunks: Vec<&[u8]> = body_bytes.chunks(size).collect();
     for (i, c) in chunks.iter().enumerate() {
-        gateway.send(body(true, c, i + 1 == chunks.len())).await;
+        gateway
+            .send(body_message(true, c, i + 1 == chunks.len()))
+            .await;
     }
     let endpoints = picked(&gateway.next().await);
     let mut back = Vec::new();
@@ -315,7 +128,7 @@ async fn pass_answer(
     let mut client_sees = Vec::new();
     let half = bytes.len() / 2;
     for (piece, end) in [(&bytes[..half], false), (&bytes[half..], true)] {
-        gateway.send(body(false, piece, end)).await;
+        gateway.send(body_message(false, piece, end)).await;
         let (back, ended) = streamed(&gateway.next().await, false);
         assert_eq!(back, piece, "each response piece is handed back unchanged");
         assert_eq!(ended, end);
@@ -363,12 +176,12 @@ async fn requests_are_picked_by_prefix_echoed_and_their_answers_passed_through()
     let first = chat(&format!("{shared} question one"), true);
     let mut gw = Gateway::open(&p.grpc_url()).await;
     gw.send(request_headers("/v1/chat/completions", None)).await;
-    gw.send(body(true, &first[..1000], false)).await;
+    gw.send(body_message(true, &first[..1000], false)).await;
     assert!(
         gw.silent_for(200).await,
         "the picker waits for the whole body"
     );
-    gw.send(body(true, &first[1000..], true)).await;
+    gw.send(body_message(true, &first[1000..], true)).await;
     let endpoints = picked(&gw.next().await);
     let mut sorted = endpoints.clone();
     sorted.sort();
@@ -480,7 +293,8 @@ async fn the_subset_hint_limits_the_pick_and_an_empty_or_foreign_one_is_503() {
     for hint in [subset(&[]), subset(&["10.9.9.9:8000"])] {
         let mut gw = Gateway::open(&p.grpc_url()).await;
         gw.send(request_headers("/v1/completions", hint)).await;
-        gw.send(body(true, &completion("hello"), true)).await;
+        gw.send(body_message(true, &completion("hello"), true))
+            .await;
         let (status, error) = immediate(&gw.next().await);
         assert_eq!(status, 503);
         assert_eq!(error["error"]["code"], 503);
@@ -521,7 +335,8 @@ async fn bad_requests_are_answered_by_the_picker_in_openais_shape_and_take_nothi
         let mut gw = Gateway::open(&p.grpc_url()).await;
         gw.send(request_headers("/v1/completions", None)).await;
         for (i, c) in bytes.chunks(6_000).enumerate() {
-            gw.send(body(true, c, (i + 1) * 6_000 >= bytes.len())).await;
+            gw.send(body_message(true, c, (i + 1) * 6_000 >= bytes.len()))
+                .await;
         }
         let (status, error) = immediate(&gw.next().await);
         assert_eq!(status, want, "{reason}");
@@ -639,7 +454,8 @@ async fn buffered_bodies_are_left_unchanged_and_grpc_health_answers() {
         send_body_without_waiting_for_header_response: false,
     });
     gw.send(headers_message).await;
-    gw.send(body(true, &completion("buffered"), true)).await;
+    gw.send(body_message(true, &completion("buffered"), true))
+        .await;
     assert_eq!(picked(&gw.next().await).len(), 2);
     let answer = gw.next().await;
     let Some(processing_response::Response::RequestBody(b)) = &answer.response else {

@@ -497,7 +497,15 @@ async fn the_endpoint_picker_follows_its_inference_pool() {
 
     fake.change("ADDED", pool(json!({"app": "vllm"}), &ports[..2]));
     until_backends(&router, &ports[..2]).await;
-    assert_eq!(readiness(&grpc).await, ServingStatus::Serving as i32);
+    let mut ready = false;
+    for _ in 0..100 {
+        ready = readiness(&grpc).await == ServingStatus::Serving as i32;
+        if ready {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(ready, "ready once the pool's pods are listed");
 
     // A port added to the pool: one more endpoint.
     fake.change("MODIFIED", pool(json!({"app": "vllm"}), &ports));

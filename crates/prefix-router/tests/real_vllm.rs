@@ -192,6 +192,49 @@ async fn prefix_routing_lands_where_vllm_counts_the_hits() {
     );
 }
 
+/// The endpoint picker behind a gateway (this test's minimal ext_proc gateway) places the same
+/// workload as `serve`: each group and the conversation stay on one vLLM server, where vLLM's
+/// counters show the hits, and answers pass through the picker intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_endpoint_picker_lands_where_vllm_counts_the_hits() {
+    let Some(fleet) = vllm::shared(SERVERS).await else {
+        return;
+    };
+    let _turn = vllm::TURN.lock().await;
+    let urls = &fleet.urls[..2];
+    reset(urls).await;
+    let picker =
+        common::envoy::picker(urls, &["--health-interval", "1s", "--unhealthy-after", "2"]).await;
+    let gateway = common::envoy::proxy(picker.grpc_url()).await;
+    let http = picker.http.url();
+    assert!(
+        eventually(60, || async {
+            metric(&http, "prefix_router_backend_healthy", "").await == 2.0
+        })
+        .await
+    );
+    let mut recorder = Recorder::new(urls).await;
+    run_workload(&gateway, &mut recorder).await;
+    let mut first_server: [Option<usize>; 4] = [None; 4];
+    for &(group, server, hits) in &recorder.requests {
+        match first_server[group] {
+            None => first_server[group] = Some(server),
+            Some(first) => {
+                assert_eq!(server, first, "group {group} stays on its server");
+                let floor = if group < 3 { 21.0 * 32.0 } else { 8.0 * 32.0 };
+                assert!(hits >= floor, "group {group}: {hits} tokens hit");
+            }
+        }
+    }
+    let rate = recorder.hits / recorder.queries;
+    eprintln!("epp: hit rate {rate:.3}");
+    assert!(rate > 0.5, "hit rate {rate:.3}");
+    assert_eq!(
+        metric(&http, "prefix_router_requests_total", "status=\"200\"").await,
+        recorder.requests.len() as f64
+    );
+}
+
 /// Every vLLM metric the Grafana dashboard queries is one real vLLM exposes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboards_vllm_metrics_exist_on_real_vllm() {

@@ -140,4 +140,5 @@ pub async fn send(
 }
 
 pub mod dashboard;
+pub mod envoy;
 pub mod vllm;
