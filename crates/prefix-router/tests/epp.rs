@@ -511,3 +511,80 @@ async fn buffered_bodies_are_left_unchanged_and_grpc_health_answers() {
     }
     sims.shutdown().await;
 }
+
+/// Request headers with a bearer token.
+fn keyed_headers(path: &str, key: &str) -> ProcessingRequest {
+    let mut message = request_headers(path, None);
+    if let Some(processing_request::Request::RequestHeaders(h)) = &mut message.request {
+        h.headers.as_mut().unwrap().headers.push(
+            envoy_types::pb::envoy::config::core::v3::HeaderValue {
+                key: "authorization".into(),
+                raw_value: format!("Bearer {key}").into_bytes(),
+                ..Default::default()
+            },
+        );
+    }
+    message
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_keys_and_limits_hold_behind_the_gateway_too() {
+    let sims = fleet(instant(), 2).await;
+    let file = std::env::temp_dir().join(format!("epp-keys-{}.toml", std::process::id()));
+    std::fs::write(
+        &file,
+        "[tenants.alpha]\nkeys = [\"alpha-key-1\"]\nrate = 0.1\nburst = 1\n",
+    )
+    .unwrap();
+    let p = picker(&sims.urls(), &["--api-keys-file", file.to_str().unwrap()]).await;
+    // Its burst of one is picked; the next is shed with 429 and the time to wait.
+    let mut gw = Gateway::open(&p.grpc_url()).await;
+    gw.send(keyed_headers("/v1/completions", "alpha-key-1"))
+        .await;
+    gw.send(body_message(true, &completion("one"), true)).await;
+    assert_eq!(picked(&gw.next().await).len(), 2);
+    drop(gw);
+    let mut gw = Gateway::open(&p.grpc_url()).await;
+    gw.send(keyed_headers("/v1/completions", "alpha-key-1"))
+        .await;
+    gw.send(body_message(true, &completion("two"), true)).await;
+    let answer = gw.next().await;
+    let (status, error) = immediate(&answer);
+    assert_eq!(status, 429);
+    assert_eq!(error["error"]["type"], "rate_limit_error");
+    let Some(processing_response::Response::ImmediateResponse(r)) = &answer.response else {
+        unreachable!()
+    };
+    let retry_after = r
+        .headers
+        .as_ref()
+        .unwrap()
+        .set_headers
+        .iter()
+        .filter_map(|o| o.header.as_ref())
+        .find(|h| h.key == "retry-after")
+        .map(|h| String::from_utf8(h.raw_value.clone()).unwrap());
+    assert_eq!(retry_after.as_deref(), Some("10"), "0.1 requests/s: 10 s");
+    // An unknown key is refused with 401.
+    let mut gw = Gateway::open(&p.grpc_url()).await;
+    gw.send(keyed_headers("/v1/completions", "nobody")).await;
+    gw.send(body_message(true, &completion("three"), true))
+        .await;
+    assert_eq!(immediate(&gw.next().await).0, 401);
+    let http = p.http.url();
+    assert_eq!(
+        metric(&http, "prefix_router_epp_refused_total", "reason=\"shed\"").await,
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &http,
+            "prefix_router_epp_refused_total",
+            "reason=\"unauthorized\""
+        )
+        .await,
+        1.0
+    );
+    std::fs::remove_file(&file).unwrap();
+    sims.shutdown().await;
+}

@@ -269,7 +269,14 @@ pub async fn picker(urls: &[String], extra: &[&str]) -> prefix_router::epp::Runn
         words.push(u.clone());
     }
     words.extend(extra.iter().map(|s| s.to_string()));
-    let args = <Wrapper as clap::Parser>::parse_from(words).args;
+    // Later words override earlier ones (a test's own --health-interval, say).
+    let matches = <Wrapper as clap::CommandFactory>::command()
+        .args_override_self(true)
+        .try_get_matches_from(words)
+        .unwrap();
+    let args = <Wrapper as clap::FromArgMatches>::from_arg_matches(&matches)
+        .unwrap()
+        .args;
     epp::spawn(args, grpc, http, None).await.unwrap()
 }
 
