@@ -133,8 +133,6 @@ fn bench(c: &mut Criterion) {
             grpc.local_addr().unwrap().to_string(),
             "--listen".into(),
             http.local_addr().unwrap().to_string(),
-            "--log".into(),
-            "warn".into(),
         ];
         for u in sims.urls() {
             words.push("--backend".into());

@@ -182,7 +182,8 @@ async fn start(
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .add_service(health_service)
         .add_service(service);
-    let incoming = tonic::transport::server::TcpIncoming::from(grpc);
+    // Every answer is a small message the gateway waits for: Nagle would hold it back.
+    let incoming = tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true));
     let serve = async move {
         if let Err(e) = router
             .serve_with_incoming_shutdown(incoming, std::future::pending())
