@@ -127,8 +127,8 @@ async fn a_burst_of_siblings_spreads_over_equal_servers() {
         .await;
         assert!(n >= 2.0, "{u} took {n} of the burst");
     }
-    // And the prefix_load policy keeps a burst together (its guard trips later): the
-    // difference this test is about.
+    // prefix_load spreads it too: its guard's margin is the fleet's mean load (here a few
+    // requests), not a fixed 16 (with which it kept at least 5 of the 9 on one server).
     let (r2, _) = router(&urls, &["--policy", "prefix_load"]).await;
     let url2 = r2.url();
     let prefix = text(7, 6000);
@@ -142,19 +142,13 @@ async fn a_burst_of_siblings_spreads_over_equal_servers() {
     for b in burst {
         b.await.unwrap();
     }
-    let mut most: f64 = 0.0;
     for u in &urls {
-        most = most.max(
-            metric(
-                &url2,
-                "prefix_router_requests_total",
-                &format!("backend=\"{u}\""),
-            )
-            .await,
-        );
+        let n = metric(
+            &url2,
+            "prefix_router_requests_total",
+            &format!("backend=\"{u}\""),
+        )
+        .await;
+        assert!(n >= 2.0, "prefix_load: {u} took {n} of the burst");
     }
-    assert!(
-        most >= 5.0,
-        "prefix_load put at most {most} of 9 on one server"
-    );
 }

@@ -46,13 +46,24 @@ impl Policy for PrefixLoad {
         // weight 1 at 10.
         let chosen = per_weight(&rows[order[best]]);
         let least = rows.iter().map(per_weight).fold(f64::MAX, f64::min);
-        let overloaded =
-            chosen > least + self.balance_abs as f64 && chosen > least * self.balance_rel;
+        let overloaded = chosen > least + guard_margin(rows, self.balance_abs)
+            && chosen > least * self.balance_rel;
         if overloaded {
             return by_load(order, Reason::LoadGuard);
         }
         by_load(first(order, best), Reason::CacheHit)
     }
+}
+
+/// How many requests (per unit of weight) the matched backend may carry above the least loaded
+/// before the guard trips: the fleet's mean load, at least one request and at most
+/// `balance_abs`. A fixed margin fits one load only: at a few requests per backend (a
+/// multi-turn chat fleet) a margin of 16 lets one backend gather every conversation that
+/// shares a system prompt (imbalance 4.25 on the sims), while at a dozen per backend (a busy
+/// shared-prefix fleet) a margin of 2 sends requests away from their prefix at every ripple.
+pub fn guard_margin(rows: &[CandidateRow], balance_abs: u64) -> f64 {
+    let mean = rows.iter().map(per_weight).sum::<f64>() / rows.len().max(1) as f64;
+    mean.clamp(1.0, (balance_abs as f64).max(1.0))
 }
 
 #[cfg(test)]
@@ -80,15 +91,20 @@ mod tests {
             policy().choose(&low, &known(10, 0)).reason,
             Reason::BelowThreshold
         );
-        // Row 1 holds the prefix but has 5 more in flight than the least loaded: guard trips.
+        // Row 1 holds the prefix but has 5 more in flight than the least loaded (the fleet's
+        // mean is 5/3, so the margin is 5/3): the guard trips.
         r[1].inflight = 5;
         let c = policy().choose(&r, &known(10, 0));
         assert_eq!(c.reason, Reason::LoadGuard);
         assert_ne!(c.order[0], 1);
-        r[1].inflight = 2;
+        // One above the least loaded: within the margin (at least one request).
+        r[1].inflight = 1;
         let c = policy().choose(&r, &known(10, 0));
         assert_eq!((c.order[0], c.reason), (1, Reason::CacheHit));
         assert_eq!(c.order.len(), 3, "every backend appears once");
+        // Two above, with the others idle: the guard trips (it used to wait for balance_abs).
+        r[1].inflight = 2;
+        assert_eq!(policy().choose(&r, &known(10, 0)).reason, Reason::LoadGuard);
     }
 
     #[test]
@@ -110,6 +126,39 @@ mod tests {
             2,
             "fewer index entries win"
         );
+    }
+
+    #[test]
+    fn the_guards_margin_follows_the_fleets_mean_load_within_bounds() {
+        let mut r = rows(4);
+        assert_eq!(guard_margin(&r, 16), 1.0, "at least one request");
+        for (i, n) in [2, 4, 6, 8].into_iter().enumerate() {
+            r[i].inflight = n;
+        }
+        assert_eq!(guard_margin(&r, 16), 5.0, "the mean");
+        assert_eq!(guard_margin(&r, 3), 3.0, "at most balance_abs");
+        // Row 3 holds the prefix with 8 in flight against 2: 6 above, more than the margin of 5.
+        let mut m = matched(r.clone(), &[0, 0, 0, 9]);
+        assert_eq!(
+            policy_with(16).choose(&m, &known(10, 0)).reason,
+            Reason::LoadGuard
+        );
+        // With 6 in flight: 4 above, within the margin of 4.5.
+        m[3].inflight = 6;
+        assert_eq!(
+            (
+                policy_with(16).choose(&m, &known(10, 0)).order[0],
+                policy_with(16).choose(&m, &known(10, 0)).reason
+            ),
+            (3, Reason::CacheHit)
+        );
+    }
+
+    fn policy_with(balance_abs: u64) -> PrefixLoad {
+        PrefixLoad {
+            balance_abs,
+            ..policy()
+        }
     }
 
     #[test]
