@@ -238,15 +238,15 @@ impl Oracle {
             self.inflight[best].load(Relaxed),
             self.inflight[least].load(Relaxed),
         );
-        // The router's guard (prefix_load's `guard_margin`): the margin is the fleet's mean
-        // load, at least 1 and at most balance_abs.
+        // The router's guard (prefix_load's `guard_margin`): the margin is 1.5 times the
+        // fleet's mean load, at least 1 and at most balance_abs.
         let mean = self
             .inflight
             .iter()
             .map(|l| l.load(Relaxed) as f64)
             .sum::<f64>()
             / n.max(1) as f64;
-        let margin = mean.clamp(1.0, (self.balance_abs as f64).max(1.0));
+        let margin = (1.5 * mean).clamp(1.0, (self.balance_abs as f64).max(1.0));
         let overloaded = chosen_load as f64 > least_load as f64 + margin
             && chosen_load as f64 > least_load as f64 * self.balance_rel;
         let index = if cached(best) == 0 || ratio < self.cache_threshold || overloaded {
