@@ -242,7 +242,7 @@ impl Exchange {
             prompt,
             decision,
         } = placed;
-        let attempts = decision.order.len().min(gw.settings.max_retries + 1);
+        let attempts = gw.settings.attempts(decision.order.len());
         let order: Vec<Arc<Backend>> = decision.order.into_iter().take(attempts).collect();
         let backend = order[0].clone();
         let load_eased = permit.waker();
@@ -291,7 +291,7 @@ impl Exchange {
         let mut answers = vec![envoy::picked(&endpoints, body.as_ref().map(Vec::len))];
         if let Some(body) = body {
             match self.request_mode {
-                BodyMode::FullDuplex => answers.extend(envoy::streamed_request_body(&body)),
+                BodyMode::FullDuplex => answers.extend(envoy::streamed_request_body(body)),
                 BodyMode::Buffered => answers.push(envoy::body_unchanged(Direction::Request)),
             }
         }

@@ -88,87 +88,91 @@ pub fn pod_backends(pod: &Pod, settings: &K8sSettings) -> Vec<BackendSpec> {
         .collect()
 }
 
-/// Watches the pods and keeps the fleet equal to `static_specs` plus the Ready pods; `synced`
-/// turns true once the first full list is applied.
-pub async fn run(
-    monitor: WeakMonitor,
-    client: kube::Client,
-    settings: K8sSettings,
-    static_specs: Vec<BackendSpec>,
-    api_key: Option<String>,
-    synced: Arc<AtomicBool>,
-) {
-    let api: Api<Pod> = match &settings.namespace {
-        Some(ns) => Api::namespaced(client, ns),
-        None => Api::default_namespaced(client),
-    };
-    let mut config = watcher::Config::default();
-    if let Some(selector) = &settings.label_selector {
-        config = config.labels(selector);
-    }
-    let mut events = watcher::watcher(api, config).default_backoff().boxed();
-    // Pods by name; `listing` collects a re-list until it is complete.
-    let mut pods: BTreeMap<String, Vec<BackendSpec>> = BTreeMap::new();
-    let mut listing: Option<BTreeMap<String, Vec<BackendSpec>>> = None;
-    while let Some(event) = events.next().await {
-        let changed = match event {
-            Ok(Event::Init) => {
-                listing = Some(BTreeMap::new());
-                false
-            }
-            Ok(Event::InitApply(pod)) => {
-                if let (Some(list), Some(name)) = (listing.as_mut(), pod.metadata.name.clone()) {
+impl PodWatch {
+    /// Watches the pods `settings` select and keeps the fleet equal to the static backends plus
+    /// the Ready pods, until the monitor goes; `synced` turns true once the first full list is
+    /// applied.
+    pub async fn watch(self, settings: K8sSettings) {
+        let PodWatch {
+            monitor,
+            client,
+            static_specs,
+            api_key,
+            synced,
+        } = self;
+        let api: Api<Pod> = match &settings.namespace {
+            Some(ns) => Api::namespaced(client, ns),
+            None => Api::default_namespaced(client),
+        };
+        let mut config = watcher::Config::default();
+        if let Some(selector) = &settings.label_selector {
+            config = config.labels(selector);
+        }
+        let mut events = watcher::watcher(api, config).default_backoff().boxed();
+        // Pods by name; `listing` collects a re-list until it is complete.
+        let mut pods: BTreeMap<String, Vec<BackendSpec>> = BTreeMap::new();
+        let mut listing: Option<BTreeMap<String, Vec<BackendSpec>>> = None;
+        while let Some(event) = events.next().await {
+            let changed = match event {
+                Ok(Event::Init) => {
+                    listing = Some(BTreeMap::new());
+                    false
+                }
+                Ok(Event::InitApply(pod)) => {
+                    if let (Some(list), Some(name)) = (listing.as_mut(), pod.metadata.name.clone())
+                    {
+                        let specs = pod_backends(&pod, &settings);
+                        if !specs.is_empty() {
+                            list.insert(name, specs);
+                        }
+                    }
+                    false
+                }
+                Ok(Event::InitDone) => {
+                    pods = listing.take().unwrap_or_default();
+                    true
+                }
+                Ok(Event::Apply(pod)) => {
+                    let Some(name) = pod.metadata.name.clone() else {
+                        continue;
+                    };
                     let specs = pod_backends(&pod, &settings);
-                    if !specs.is_empty() {
-                        list.insert(name, specs);
+                    if specs.is_empty() {
+                        pods.remove(&name).is_some()
+                    } else {
+                        pods.insert(name, specs.clone()) != Some(specs)
                     }
                 }
-                false
+                Ok(Event::Delete(pod)) => pod
+                    .metadata
+                    .name
+                    .as_ref()
+                    .is_some_and(|name| pods.remove(name).is_some()),
+                Err(e) => {
+                    tracing::warn!(error = %e, "pod watch failed; retrying");
+                    false
+                }
+            };
+            if !changed {
+                continue;
             }
-            Ok(Event::InitDone) => {
-                pods = listing.take().unwrap_or_default();
-                true
-            }
-            Ok(Event::Apply(pod)) => {
-                let Some(name) = pod.metadata.name.clone() else {
-                    continue;
-                };
-                let specs = pod_backends(&pod, &settings);
-                if specs.is_empty() {
-                    pods.remove(&name).is_some()
-                } else {
-                    pods.insert(name, specs.clone()) != Some(specs)
+            let Some(monitor) = monitor.upgrade() else {
+                return;
+            };
+            let mut specs = static_specs.clone();
+            for spec in pods.values().flatten() {
+                let mut spec = spec.clone();
+                spec.api_key = api_key.clone();
+                if !specs.iter().any(|s| s.url == spec.url) {
+                    specs.push(spec);
                 }
             }
-            Ok(Event::Delete(pod)) => pod
-                .metadata
-                .name
-                .as_ref()
-                .is_some_and(|name| pods.remove(name).is_some()),
-            Err(e) => {
-                tracing::warn!(error = %e, "pod watch failed; retrying");
-                false
+            tracing::info!(pods = pods.len(), backends = specs.len(), "pods changed");
+            if let Err(e) = monitor.apply(&specs).await {
+                tracing::warn!(error = %e, "could not apply the discovered pods");
             }
-        };
-        if !changed {
-            continue;
+            synced.store(true, Ordering::Release);
         }
-        let Some(monitor) = monitor.upgrade() else {
-            return;
-        };
-        let mut specs = static_specs.clone();
-        for spec in pods.values().flatten() {
-            let mut spec = spec.clone();
-            spec.api_key = api_key.clone();
-            if !specs.iter().any(|s| s.url == spec.url) {
-                specs.push(spec);
-            }
-        }
-        tracing::info!(pods = pods.len(), backends = specs.len(), "pods changed");
-        if let Err(e) = monitor.apply(&specs).await {
-            tracing::warn!(error = %e, "could not apply the discovered pods");
-        }
-        synced.store(true, Ordering::Release);
     }
 }
 
@@ -216,20 +220,6 @@ pub struct PodWatch {
     pub static_specs: Vec<BackendSpec>,
     pub api_key: Option<String>,
     pub synced: Arc<AtomicBool>,
-}
-
-impl PodWatch {
-    /// Watches the pods `settings` select until the monitor goes.
-    pub fn watch(self, settings: K8sSettings) -> impl std::future::Future<Output = ()> + Send {
-        run(
-            self.monitor,
-            self.client,
-            settings,
-            self.static_specs,
-            self.api_key,
-            self.synced,
-        )
-    }
 }
 
 #[cfg(test)]

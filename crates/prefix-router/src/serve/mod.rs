@@ -58,6 +58,14 @@ pub struct GatewaySettings {
     pub tenant_header: HeaderName,
 }
 
+impl GatewaySettings {
+    /// How many of `candidates` backends a request may try: the chosen one and up to
+    /// `--max-retries` more.
+    pub fn attempts(&self, candidates: usize) -> usize {
+        candidates.min(self.max_retries + 1)
+    }
+}
+
 /// The HTTP front end's state: the core it asks, and what it needs of its own.
 pub struct Gateway {
     pub core: Arc<Core>,

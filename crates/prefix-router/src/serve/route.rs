@@ -351,7 +351,7 @@ async fn forward(
         headers.remove(axum::http::header::AUTHORIZATION);
     }
     let deadline = received + gw.settings.request_timeout;
-    let attempts = decision.order.len().min(gw.settings.max_retries + 1);
+    let attempts = gw.settings.attempts(decision.order.len());
     let mut last_error: Option<Response> = None;
     let timed_out = || {
         ApiError::new(
