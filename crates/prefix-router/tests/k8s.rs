@@ -2,6 +2,8 @@
 //! DELETED events, and a watch that drops and must be resumed), driving a router in front of
 //! simulated vLLM servers.
 
+mod common;
+
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -441,12 +443,6 @@ async fn readiness(grpc: &str) -> i32 {
         .status
 }
 
-#[derive(clap::Parser)]
-struct EppWords {
-    #[command(flatten)]
-    args: prefix_router::epp::EppArgs,
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_endpoint_picker_follows_its_inference_pool() {
     use tonic_health::pb::health_check_response::ServingStatus;
@@ -466,27 +462,12 @@ async fn the_endpoint_picker_follows_its_inference_pool() {
     // One pod; the pool's target ports make it several endpoints (as for data-parallel ranks).
     fake.change("ADDED", pod("vllm-0", 1, true, json!({})));
     let client = serve_fake(&fake).await;
-    let grpc = tokio::net::TcpListener::bind(loopback).await.unwrap();
-    let http = tokio::net::TcpListener::bind(loopback).await.unwrap();
-    let words = [
-        "epp".to_owned(),
-        "--grpc-listen".into(),
-        grpc.local_addr().unwrap().to_string(),
-        "--listen".into(),
-        http.local_addr().unwrap().to_string(),
-        "--inference-pool".into(),
-        "llama".into(),
-        "--namespace".into(),
-        "llm".into(),
-        "--health-interval".into(),
-        "100ms".into(),
-        "--unhealthy-after".into(),
-        "1".into(),
-    ];
-    let args = <EppWords as clap::Parser>::parse_from(words).args;
-    let picker = prefix_router::epp::spawn(args, grpc, http, Some(client))
-        .await
-        .unwrap();
+    let picker = common::envoy::picker_with(
+        &[],
+        &["--inference-pool", "llama", "--namespace", "llm"],
+        Some(client),
+    )
+    .await;
     let router = picker.http.url();
     let grpc = picker.grpc_url();
 

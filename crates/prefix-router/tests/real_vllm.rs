@@ -127,6 +127,26 @@ impl<'a> Recorder<'a> {
     }
 }
 
+impl Recorder<'_> {
+    /// Each group of [`run_workload`] (and its conversation) stayed on the server that took
+    /// its first request, where vLLM counted its shared prefix as hits.
+    fn assert_groups_stay_where_they_hit(&self) {
+        let mut first_server: [Option<usize>; 4] = [None; 4];
+        for &(group, server, hits) in &self.requests {
+            match first_server[group] {
+                None => first_server[group] = Some(server),
+                Some(first) => {
+                    assert_eq!(server, first, "group {group} stays on its server");
+                    // A group's system prompt (700 words) is at least 21 blocks of 32
+                    // tokens; a conversation's previous turn at least 8.
+                    let floor = if group < 3 { 21.0 * 32.0 } else { 8.0 * 32.0 };
+                    assert!(hits >= floor, "group {group}: {hits} tokens hit");
+                }
+            }
+        }
+    }
+}
+
 /// The routing test's requests, one at a time: 3 groups of 4 questions under a long system
 /// prompt each, then a 4-turn conversation (each turn appends vLLM's answer).
 async fn run_workload(router: &str, recorder: &mut Recorder<'_>) {
@@ -168,19 +188,7 @@ async fn prefix_routing_lands_where_vllm_counts_the_hits() {
         hit_rates.push(recorder.hits / recorder.queries);
         eprintln!("{policy}: hit rate {:.3}", recorder.hits / recorder.queries);
         if policy == "prefix_load" {
-            let mut first_server: [Option<usize>; 4] = [None; 4];
-            for &(group, server, hits) in &recorder.requests {
-                match first_server[group] {
-                    None => first_server[group] = Some(server),
-                    Some(first) => {
-                        assert_eq!(server, first, "group {group} stays on its server");
-                        // A group's system prompt (700 words) is at least 21 blocks of 32
-                        // tokens; a conversation's previous turn at least 8.
-                        let floor = if group < 3 { 21.0 * 32.0 } else { 8.0 * 32.0 };
-                        assert!(hits >= floor, "group {group}: {hits} tokens hit");
-                    }
-                }
-            }
+            recorder.assert_groups_stay_where_they_hit();
         }
         r.shutdown().await;
     }
@@ -215,17 +223,7 @@ async fn the_endpoint_picker_lands_where_vllm_counts_the_hits() {
     );
     let mut recorder = Recorder::new(urls).await;
     run_workload(&gateway, &mut recorder).await;
-    let mut first_server: [Option<usize>; 4] = [None; 4];
-    for &(group, server, hits) in &recorder.requests {
-        match first_server[group] {
-            None => first_server[group] = Some(server),
-            Some(first) => {
-                assert_eq!(server, first, "group {group} stays on its server");
-                let floor = if group < 3 { 21.0 * 32.0 } else { 8.0 * 32.0 };
-                assert!(hits >= floor, "group {group}: {hits} tokens hit");
-            }
-        }
-    }
+    recorder.assert_groups_stay_where_they_hit();
     let rate = recorder.hits / recorder.queries;
     eprintln!("epp: hit rate {rate:.3}");
     assert!(rate > 0.5, "hit rate {rate:.3}");

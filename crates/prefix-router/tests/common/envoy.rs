@@ -245,6 +245,15 @@ pub async fn proxy(picker_grpc: String) -> String {
 
 /// A picker in front of `urls` (fast health checks), with `extra` words.
 pub async fn picker(urls: &[String], extra: &[&str]) -> prefix_router::epp::RunningPicker {
+    picker_with(urls, extra, None).await
+}
+
+/// [`picker`], with the Kubernetes client its discovery uses (a fake API server).
+pub async fn picker_with(
+    urls: &[String],
+    extra: &[&str],
+    k8s: Option<kube::Client>,
+) -> prefix_router::epp::RunningPicker {
     let grpc = tokio::net::TcpListener::bind(std::net::SocketAddr::from(super::LOOPBACK))
         .await
         .unwrap();
@@ -257,18 +266,8 @@ pub async fn picker(urls: &[String], extra: &[&str]) -> prefix_router::epp::Runn
         grpc.local_addr().unwrap().to_string(),
         "--listen".into(),
         http.local_addr().unwrap().to_string(),
-        "--health-interval".into(),
-        "100ms".into(),
-        "--metrics-interval".into(),
-        "100ms".into(),
-        "--unhealthy-after".into(),
-        "1".into(),
     ];
-    for u in urls {
-        words.push("--backend".into());
-        words.push(u.clone());
-    }
-    words.extend(extra.iter().map(|s| s.to_string()));
+    words.extend(super::fast_checks(urls, extra));
     // Later words override earlier ones (a test's own --health-interval, say).
     let matches = <Wrapper as clap::CommandFactory>::command()
         .args_override_self(true)
@@ -277,7 +276,7 @@ pub async fn picker(urls: &[String], extra: &[&str]) -> prefix_router::epp::Runn
     let args = <Wrapper as clap::FromArgMatches>::from_arg_matches(&matches)
         .unwrap()
         .args;
-    epp::spawn(args, grpc, http, None).await.unwrap()
+    epp::spawn(args, grpc, http, k8s).await.unwrap()
 }
 
 #[derive(clap::Parser)]

@@ -35,20 +35,32 @@ pub async fn router(urls: &[String], extra: &[&str]) -> (Running, Arc<Gateway>) 
     let mut words: Vec<String> = vec![
         "--listen".into(),
         listener.local_addr().unwrap().to_string(),
-        "--health-interval".into(),
-        "100ms".into(),
-        "--metrics-interval".into(),
-        "100ms".into(),
-        "--unhealthy-after".into(),
-        "1".into(),
     ];
+    words.extend(fast_checks(urls, extra));
+    let args = ServeArgs::from_words(&words).unwrap();
+    serve::spawn(args, listener).await.unwrap()
+}
+
+/// Health checks and load scrapes every 100 ms (one failure makes a backend unhealthy), the
+/// backends `urls`, then `extra`: the words of a router or picker under test.
+pub fn fast_checks(urls: &[String], extra: &[&str]) -> Vec<String> {
+    let mut words: Vec<String> = [
+        "--health-interval",
+        "100ms",
+        "--metrics-interval",
+        "100ms",
+        "--unhealthy-after",
+        "1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     for u in urls {
         words.push("--backend".into());
         words.push(u.clone());
     }
     words.extend(extra.iter().map(|s| s.to_string()));
-    let args = ServeArgs::from_words(&words).unwrap();
-    serve::spawn(args, listener).await.unwrap()
+    words
 }
 
 /// The `/metrics` text of a server.
