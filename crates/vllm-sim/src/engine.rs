@@ -6,7 +6,7 @@
 //! request holds its seat and blocks while it decodes (timed by the API layer), and frees both
 //! when it finishes or its client goes away.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
@@ -28,6 +28,13 @@ pub struct Job {
     pub prompt_tokens: usize,
     /// Prompt plus answer.
     pub total_tokens: usize,
+}
+
+impl Job {
+    /// Hashes of the prompt's full blocks.
+    fn prompt_hashes(&self, block_size: usize) -> &[u64] {
+        &self.block_hashes[..(self.prompt_tokens / block_size).min(self.block_hashes.len())]
+    }
 }
 
 /// A request that finished prefill: it may now emit tokens.
@@ -60,6 +67,28 @@ struct State {
     cache: KvCache,
     waiting: VecDeque<Waiting>,
     running: usize,
+    /// Prompt blocks of the requests waiting or in prefill (with how many hold each): cached
+    /// by the time a request arriving now is prefilled, since prefill runs in arrival order.
+    coming: HashMap<u64, u32>,
+}
+
+impl State {
+    fn expect(&mut self, hashes: &[u64]) {
+        for &h in hashes {
+            *self.coming.entry(h).or_default() += 1;
+        }
+    }
+
+    fn arrived(&mut self, hashes: &[u64]) {
+        for h in hashes {
+            if let Some(n) = self.coming.get_mut(h) {
+                *n -= 1;
+                if *n == 0 {
+                    self.coming.remove(h);
+                }
+            }
+        }
+    }
 }
 
 pub struct Engine {
@@ -86,6 +115,7 @@ impl Engine {
                 cache: KvCache::new(config.kv_blocks, config.block_size),
                 waiting: VecDeque::new(),
                 running: 0,
+                coming: HashMap::new(),
             }),
             wake: Notify::new(),
             killed: AtomicBool::new(false),
@@ -119,26 +149,36 @@ impl Engine {
     /// Stops the scheduler (the server is going away); queued requests are refused.
     pub fn shutdown(&self) {
         self.stopped.store(true, Relaxed);
-        self.state.lock().waiting.clear();
+        let mut state = self.state.lock();
+        state.waiting.clear();
+        state.coming.clear();
+        drop(state);
         self.wake.notify_one();
     }
 
     /// Queues a request; the answer comes when its prefill is done.
     pub fn submit(&self, job: Job) -> oneshot::Receiver<Result<Admitted, Refusal>> {
         let (reply, admitted) = oneshot::channel();
-        self.state.lock().waiting.push_back(Waiting {
+        let mut state = self.state.lock();
+        state.expect(job.prompt_hashes(self.config.block_size));
+        state.waiting.push_back(Waiting {
             job,
             arrived: Instant::now(),
             reply,
         });
+        drop(state);
         self.wake.notify_one();
         admitted
     }
 
-    /// Prompt tokens a request would find cached now, without changing anything.
+    /// Prompt tokens a request arriving now would find cached when its prefill starts (the
+    /// cache now, and the prompts of the requests ahead of it), without changing anything.
     pub fn probe(&self, block_hashes: &[u64], prompt_tokens: usize) -> usize {
         let state = self.state.lock();
-        state.cache.probe(block_hashes, prompt_tokens) * self.config.block_size
+        let blocks = state.cache.probe_with(block_hashes, prompt_tokens, |h| {
+            state.coming.contains_key(&h)
+        });
+        blocks * self.config.block_size
     }
 
     /// Empties the cache and the counters.
@@ -211,20 +251,28 @@ async fn schedule(engine: Arc<Engine>) {
     while !engine.stopped.load(Relaxed) {
         let next = {
             let mut state = engine.state.lock();
+            let block_size = engine.config.block_size;
+            while let Some(w) = state.waiting.pop_front() {
+                if !w.reply.is_closed() {
+                    state.waiting.push_front(w);
+                    break;
+                }
+                state.arrived(w.job.prompt_hashes(block_size));
+            }
             let State {
                 cache,
                 waiting,
                 running,
+                ..
             } = &mut *state;
-            while waiting.front().is_some_and(|w| w.reply.is_closed()) {
-                waiting.pop_front();
-            }
-            match waiting.front() {
+            let admitted = match waiting.front() {
                 Some(w) if *running < engine.config.max_num_seqs => {
                     let job = &w.job;
-                    let prompt_hashes = &job.block_hashes
-                        [..(job.prompt_tokens / cache.block_size()).min(job.block_hashes.len())];
-                    match cache.allocate(prompt_hashes, job.prompt_tokens, job.total_tokens) {
+                    match cache.allocate(
+                        job.prompt_hashes(block_size),
+                        job.prompt_tokens,
+                        job.total_tokens,
+                    ) {
                         Ok(alloc) => {
                             *running += 1;
                             Some(Ok((waiting.pop_front().expect("front exists"), alloc)))
@@ -238,7 +286,11 @@ async fn schedule(engine: Arc<Engine>) {
                     }
                 }
                 _ => None,
+            };
+            if let Some(Err((w, _, _))) = &admitted {
+                state.arrived(w.job.prompt_hashes(block_size));
             }
+            admitted
         };
         match next {
             None => engine.wake.notified().await,
@@ -270,12 +322,11 @@ async fn prefill(engine: &Arc<Engine>, w: Waiting, mut alloc: Allocation, free_a
     if engine.time_scale() > 0.0 {
         tokio::time::sleep_until(done.into()).await;
     }
-    let prompt_blocks = w.job.prompt_tokens / config.block_size;
-    engine.state.lock().cache.commit(
-        &mut alloc,
-        &w.job.block_hashes[..prompt_blocks.min(w.job.block_hashes.len())],
-        &w.job.tokens,
-    );
+    let mut state = engine.state.lock();
+    let prompt_hashes = w.job.prompt_hashes(config.block_size);
+    state.cache.commit(&mut alloc, prompt_hashes, &w.job.tokens);
+    state.arrived(prompt_hashes);
+    drop(state);
     engine.publish_events();
     let m = &engine.metrics;
     m.prefix_cache_queries

@@ -144,9 +144,20 @@ impl KvCache {
 
     /// Blocks of the prompt that a request arriving now would find cached.
     pub fn probe(&self, hashes: &[u64], prompt_tokens: usize) -> usize {
+        self.probe_with(hashes, prompt_tokens, |_| false)
+    }
+
+    /// Like [`KvCache::probe`], counting also the blocks `coming` says will be cached before
+    /// this request is prefilled.
+    pub fn probe_with(
+        &self,
+        hashes: &[u64],
+        prompt_tokens: usize,
+        coming: impl Fn(u64) -> bool,
+    ) -> usize {
         let leading = hashes
             .iter()
-            .take_while(|h| self.cached.contains_key(h))
+            .take_while(|&&h| self.cached.contains_key(&h) || coming(h))
             .count();
         // At least one prompt token is always computed.
         leading.min(prompt_tokens.saturating_sub(1) / self.block_size)

@@ -135,6 +135,43 @@ async fn cache_accounting_matches_vllm() {
 }
 
 #[tokio::test]
+async fn a_probe_counts_the_prompts_ahead_in_the_queue() {
+    // 2,000 tokens/s: a 251-token prompt takes ~125 ms of prefill (plus 10 ms overhead).
+    let fleet = fleet(
+        SimConfig {
+            prefill_tokens_per_s: 2_000.0,
+            ..SimConfig::default()
+        },
+        1,
+    )
+    .await;
+    let url = fleet.urls()[0].clone();
+    let prompt = text(20, 1002);
+    let first = {
+        let (url, body) = (url.clone(), completion(&prompt, 1));
+        tokio::spawn(async move { post(&url, "/v1/completions", body).await })
+    };
+    // While the first is in prefill nothing of it is cached yet, but a request arriving now
+    // is prefilled after it and finds its blocks: the probe says so (what an oracle needs).
+    tokio::time::sleep(Duration::from_millis(40)).await;
+    let probe = post(&url, "/sim/probe", json!({"prompt": prompt})).await.1;
+    assert_eq!(probe["cached_tokens"], 240, "{probe}");
+    let (_, second) = post(&url, "/v1/completions", completion(&prompt, 1)).await;
+    assert_eq!(
+        second["usage"]["prompt_tokens_details"]["cached_tokens"],
+        240
+    );
+    let (_, first) = first.await.unwrap();
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // An unrelated prompt finds nothing, in the cache or ahead.
+    let other = post(&url, "/sim/probe", json!({"prompt": text(21, 1002)}))
+        .await
+        .1;
+    assert_eq!(other["cached_tokens"], 0);
+    fleet.shutdown().await;
+}
+
+#[tokio::test]
 async fn eviction_under_pressure_is_least_recently_used() {
     // 40 blocks: room for two 16-block prompts (plus their answers), not three.
     let fleet = fleet(
