@@ -60,14 +60,15 @@ impl AdmissionSettings {
 /// times that work), not the line's overhead: a backend whose TTFT is never below the bound
 /// (a CPU vLLM's ~0.2 s) would otherwise count as saturated while idle and hold every request
 /// until `--queue-timeout` (seen on real vLLM). A backend with nothing in flight from this
-/// router or reported waiting is never saturated.
+/// router and no one else's requests waiting is never saturated. Waiting requests are this
+/// router's without a first byte, counted live, plus the others' the backend last reported.
 pub fn saturated(row: &CandidateRow, settings: &AdmissionSettings) -> bool {
-    if row.inflight == 0 && row.reported_waiting == 0 {
+    if row.inflight == 0 && row.foreign_waiting == 0 {
         return false;
     }
     let waiting = settings
         .max_waiting
-        .is_some_and(|n| row.reported_waiting.max(row.waiting_first_byte) >= n);
+        .is_some_and(|n| row.waiting_first_byte + row.foreign_waiting >= n);
     let slow = settings
         .max_wait
         .is_some_and(|bound| predicted_ttft(row, 0) - ttft_of_work(row, 0) > bound.as_secs_f64());
@@ -524,6 +525,33 @@ mod tests {
             &mut Registry::default(),
         );
         (a, full)
+    }
+
+    #[test]
+    fn waiting_counts_ours_live_and_the_others_as_reported() {
+        let settings = AdmissionSettings {
+            max_wait: None,
+            max_waiting: Some(2),
+            ..settings(10)
+        };
+        // Three decoding, none waiting: room.
+        let mut row = CandidateRow {
+            inflight: 3,
+            ..Default::default()
+        };
+        assert!(!saturated(&row, &settings));
+        row.waiting_first_byte = 1;
+        assert!(!saturated(&row, &settings));
+        row.foreign_waiting = 1;
+        assert!(
+            saturated(&row, &settings),
+            "one of ours and one of another router's"
+        );
+        row.waiting_first_byte = 0;
+        row.inflight = 0;
+        assert!(!saturated(&row, &settings));
+        row.foreign_waiting = 2;
+        assert!(saturated(&row, &settings), "idle for us, full of others'");
     }
 
     #[test]

@@ -96,6 +96,9 @@ pub struct Backend {
     pub reported_queue: AtomicU64,
     pub reported_running: AtomicU64,
     pub reported_waiting: AtomicU64,
+    /// This router's (and its replicas') requests without a first byte here when
+    /// `reported_waiting` was read: what of the backend's queue was ours then.
+    pub waiting_first_byte_at_report: AtomicU64,
     /// `vllm:kv_cache_usage_perc` as f64 bits.
     pub kv_usage_bits: AtomicU64,
     /// Index entries held for this backend, as this router's notifies count them.
@@ -170,6 +173,7 @@ impl Backend {
             reported_queue: AtomicU64::new(0),
             reported_running: AtomicU64::new(0),
             reported_waiting: AtomicU64::new(0),
+            waiting_first_byte_at_report: AtomicU64::new(0),
             kv_usage_bits: AtomicU64::new(0),
             entries: AtomicU64::new(0),
             routed: AtomicU64::new(0),
@@ -280,20 +284,40 @@ impl std::fmt::Debug for Backend {
 }
 
 impl Backend {
+    /// Records the backend's own count of waiting requests, with how many of them were ours.
+    pub fn report_waiting(&self, waiting: u64) {
+        self.waiting_first_byte_at_report
+            .store(self.own_waiting_first_byte(), Relaxed);
+        self.reported_waiting.store(waiting, Relaxed);
+    }
+
+    fn own_waiting_first_byte(&self) -> u64 {
+        self.waiting_first_byte.load(Relaxed) + self.remote.waiting_first_byte.load(Relaxed)
+    }
+
+    /// Requests waiting there that no router of ours sent, as of the last scrape. Our own are
+    /// counted live instead: the scraped total is up to a scrape interval old, and judging by it
+    /// held a drained backend "full" until the next scrape (on real vLLM the gateway queue
+    /// then cost 17 % of the fleet's throughput).
+    fn foreign_waiting(&self) -> u64 {
+        self.reported_waiting
+            .load(Relaxed)
+            .saturating_sub(self.waiting_first_byte_at_report.load(Relaxed))
+    }
+
     /// What a policy sees of this backend now (matched tokens filled in later).
     pub fn row(&self) -> crate::core::policy::CandidateRow {
         crate::core::policy::CandidateRow {
             id: self.id,
             weight: self.weight(),
             inflight: self.inflight.load(Relaxed) + self.remote.inflight.load(Relaxed),
-            waiting_first_byte: self.waiting_first_byte.load(Relaxed)
-                + self.remote.waiting_first_byte.load(Relaxed),
+            waiting_first_byte: self.own_waiting_first_byte(),
             queue: self.reported_queue.load(Relaxed),
             entries: self.entries.load(Relaxed),
             matched_tokens: 0,
             queued_prefill_tokens: self.queued_prefill_tokens.load(Relaxed)
                 + self.remote.queued_prefill_tokens.load(Relaxed),
-            reported_waiting: self.reported_waiting.load(Relaxed),
+            foreign_waiting: self.foreign_waiting(),
             kv_usage: self.kv_usage(),
             prefill: self.prefill.line(),
             prefill_observations: self.prefill.observations(),
@@ -485,6 +509,29 @@ mod tests {
         spec.models = Some(vec!["m".into()]);
         let configured = Backend::new(spec, 10).unwrap();
         assert!(configured.is_healthy() && configured.serves("m").is_some());
+    }
+
+    #[test]
+    fn our_own_waiting_requests_are_counted_live_not_from_the_last_scrape() {
+        let b = Backend::new(BackendSpec::new("http://a:1"), 10).unwrap();
+        b.waiting_first_byte.store(3, Relaxed);
+        b.report_waiting(3);
+        assert_eq!(b.row().foreign_waiting, 0, "all three are ours");
+        // Ours got their first bytes since the scrape: nothing waits there now, whatever the
+        // scrape said.
+        b.waiting_first_byte.store(0, Relaxed);
+        assert_eq!(
+            (b.row().waiting_first_byte, b.row().foreign_waiting),
+            (0, 0)
+        );
+        // Five waiting when three were ours: two another router sent.
+        b.waiting_first_byte.store(3, Relaxed);
+        b.report_waiting(5);
+        b.waiting_first_byte.store(1, Relaxed);
+        assert_eq!(
+            (b.row().waiting_first_byte, b.row().foreign_waiting),
+            (1, 2)
+        );
     }
 
     #[test]

@@ -240,9 +240,9 @@ pub struct QueueArgs {
     /// and the backend's learned prefill speed). Turns the queue on.
     #[arg(long, env = "PREFIX_ROUTER_MAX_QUEUE_WAIT", value_parser = crate::duration::parse)]
     pub max_queue_wait: Option<Duration>,
-    /// Also hold them while every backend reports at least this many waiting requests
-    /// (`vllm:num_requests_waiting`, or this router's requests without a first byte). Turns the
-    /// queue on.
+    /// Also hold them while every backend has at least this many requests waiting for their
+    /// first byte (this router's, counted live, plus those of others that
+    /// `vllm:num_requests_waiting` reported beyond ours at the last scrape). Turns the queue on.
     #[arg(long, env = "PREFIX_ROUTER_QUEUE_WHEN_WAITING")]
     pub queue_when_waiting: Option<u64>,
     /// Requests held at once; one more gets 429 with `Retry-After`.

@@ -203,7 +203,7 @@ pub async fn scrape_backend(m: &Monitor, backend: &Arc<Backend>) {
     let running = r.running.unwrap_or(0.0).max(0.0) as u64;
     let waiting = r.waiting.unwrap_or(0.0).max(0.0) as u64;
     backend.reported_running.store(running, Relaxed);
-    backend.reported_waiting.store(waiting, Relaxed);
+    backend.report_waiting(waiting);
     backend.reported_queue.store(running + waiting, Relaxed);
     if let Some(kv) = r.kv_usage {
         backend.kv_usage_bits.store(kv.to_bits(), Relaxed);

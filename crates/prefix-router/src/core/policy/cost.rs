@@ -33,8 +33,7 @@ pub struct Cost;
 /// The prompt tokens `row`'s backend computes before the first token of a request with
 /// `uncached` tokens to compute there: the work queued ahead of it, and its own.
 pub fn prefill_work(row: &CandidateRow, uncached: u64) -> u64 {
-    let foreign_waiting = row.reported_waiting.saturating_sub(row.waiting_first_byte);
-    row.queued_prefill_tokens + foreign_waiting * uncached.max(1) + uncached
+    row.queued_prefill_tokens + row.foreign_waiting * uncached.max(1) + uncached
 }
 
 /// The predicted TTFT of a request with `uncached` tokens to compute at `row`.
@@ -205,11 +204,10 @@ mod tests {
         assert_eq!(Cost.choose(&r, &known(1000, 1)).order[0], 1);
         let mut r = fleet(2);
         // Three requests waiting at backend 0 that another router sent.
-        r[0].reported_waiting = 3;
+        r[0].foreign_waiting = 3;
         assert_eq!(Cost.choose(&r, &known(1000, 0)).order[0], 1);
-        // The router's own waiting request is counted by its tokens, not twice.
+        // The router's own waiting request is counted by its tokens, not as foreign.
         let mut r = fleet(2);
-        r[0].reported_waiting = 1;
         r[0].waiting_first_byte = 1;
         r[0].queued_prefill_tokens = 10;
         r[1].queued_prefill_tokens = 200;

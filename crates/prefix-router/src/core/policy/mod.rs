@@ -108,8 +108,9 @@ pub struct CandidateRow {
     /// Uncached prompt tokens of the requests this router sent there that have not started
     /// answering: the prefill work ahead of a new request.
     pub queued_prefill_tokens: u64,
-    /// Requests the backend itself reports waiting (this router's and others').
-    pub reported_waiting: u64,
+    /// Requests waiting at the backend that this router (and its replicas) did not send: its
+    /// reported waiting count less ours at the time of that report.
+    pub foreign_waiting: u64,
     /// Its KV cache's usage, 0..1, as it reports it.
     pub kv_usage: f64,
     /// Its prefill speed as learned from its TTFTs...
