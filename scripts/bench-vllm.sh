@@ -27,7 +27,7 @@ done
 # The simulator as the CPU vLLM of scripts/vllm-model.py measures here: tokens, blocks and cache
 # as vLLM's; prefill ~14,000 tokens/s after ~25 ms; ~6 ms between output tokens; KV events as
 # vLLM publishes them (for prefix_load+events).
-sim_args="--model tiny-llama --tokenizer $work/model --kv-events --block-size 32 --kv-blocks 512 --max-model-len 8192 --prefill-tokens-per-s 14000 --prefill-overhead-ms 25 --itl-ms 6"
+sim_args="--model tiny-llama --tokenizer $work/model --kv-events --block-size 32 --kv-blocks 512 --max-model-len 8192 --prefill-tokens-per-s 14000 --prefill-overhead-ms 25 --itl-ms 6 --max-num-batched-tokens 2048"
 
 args_for() {
   case "$1" in

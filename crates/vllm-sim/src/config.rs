@@ -18,9 +18,14 @@ pub struct SimConfig {
     /// Uncached prompt tokens one server prefills per second.
     #[arg(long, default_value_t = 20_000.0)]
     pub prefill_tokens_per_s: f64,
-    /// Fixed time added to every prefill (scheduling, the first decode step), in ms.
+    /// Fixed time of every engine step that prefills (scheduling, the forward pass's fixed
+    /// part), in ms: requests prefilled in one step share it.
     #[arg(long, default_value_t = 10.0)]
     pub prefill_overhead_ms: f64,
+    /// Prompt tokens one engine step computes at most (vLLM's `--max-num-batched-tokens`):
+    /// the requests waiting are prefilled together up to it, a longer prompt in chunks.
+    #[arg(long, default_value_t = 8192)]
+    pub max_num_batched_tokens: usize,
     /// Time between two output tokens of one sequence, in ms.
     #[arg(long, default_value_t = 8.0)]
     pub itl_ms: f64,
@@ -89,6 +94,10 @@ impl SimConfig {
         );
         anyhow::ensure!(self.max_num_seqs > 0, "--max-num-seqs must be positive");
         anyhow::ensure!(
+            self.max_num_batched_tokens > 0,
+            "--max-num-batched-tokens must be positive"
+        );
+        anyhow::ensure!(
             self.time_scale >= 0.0 && self.time_scale.is_finite(),
             "--time-scale must be a finite number >= 0"
         );
@@ -112,8 +121,8 @@ impl SimConfig {
         Ok(self)
     }
 
-    /// Simulated time to prefill `uncached` tokens.
-    pub fn prefill_secs(&self, uncached: usize) -> f64 {
+    /// Simulated time of one engine step that computes `uncached` prompt tokens.
+    pub fn step_secs(&self, uncached: usize) -> f64 {
         self.prefill_overhead_ms / 1000.0 + uncached as f64 / self.prefill_tokens_per_s
     }
 }

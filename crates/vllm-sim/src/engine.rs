@@ -1,8 +1,10 @@
 //! One simulated server's engine: a FIFO waiting queue, one prefill engine, and decode seats.
 //!
 //! A request waits until a seat is free (`max_num_seqs`) and the KV cache can hold it, then
-//! the prefill engine computes its uncached prompt tokens — one request at a time, at
-//! `prefill_tokens_per_s` — so misses and imbalance turn into queueing delay. After prefill the
+//! the prefill engine computes its uncached prompt tokens in steps, as vLLM's scheduler does:
+//! each step computes up to `max_num_batched_tokens` prompt tokens of the requests admitted,
+//! at `prefill_tokens_per_s` plus a fixed overhead a step — so misses and imbalance turn into
+//! queueing delay, and requests arriving together share a step. After prefill the
 //! request holds its seat and blocks while it decodes (timed by the API layer), and frees both
 //! when it finishes or its client goes away.
 
@@ -66,6 +68,8 @@ struct Waiting {
 struct State {
     cache: KvCache,
     waiting: VecDeque<Waiting>,
+    /// Admitted requests whose prompt is still being computed, in the order they started.
+    prefilling: VecDeque<Prefilling>,
     running: usize,
     /// Prompt blocks of the requests waiting or in prefill (with how many hold each): cached
     /// by the time a request arriving now is prefilled, since prefill runs in arrival order.
@@ -114,6 +118,7 @@ impl Engine {
             state: Mutex::new(State {
                 cache: KvCache::new(config.kv_blocks, config.block_size),
                 waiting: VecDeque::new(),
+                prefilling: VecDeque::new(),
                 running: 0,
                 coming: HashMap::new(),
             }),
@@ -151,6 +156,7 @@ impl Engine {
         self.stopped.store(true, Relaxed);
         let mut state = self.state.lock();
         state.waiting.clear();
+        state.prefilling.clear();
         state.coming.clear();
         drop(state);
         self.wake.notify_one();
@@ -243,114 +249,224 @@ impl Engine {
     }
 }
 
-/// The scheduler: admits the head of the queue when a seat and KV blocks are free, then runs
-/// its prefill. Ends at [`Engine::shutdown`].
-async fn schedule(engine: Arc<Engine>) {
-    // When the prefill engine finishes its current work (planned, in real time).
-    let mut free_at = Instant::now();
-    while !engine.stopped.load(Relaxed) {
-        let next = {
-            let mut state = engine.state.lock();
-            let block_size = engine.config.block_size;
-            while let Some(w) = state.waiting.pop_front() {
-                if !w.reply.is_closed() {
-                    state.waiting.push_front(w);
-                    break;
-                }
-                state.arrived(w.job.prompt_hashes(block_size));
-            }
-            let State {
-                cache,
-                waiting,
-                running,
-                ..
-            } = &mut *state;
-            let admitted = match waiting.front() {
-                Some(w) if *running < engine.config.max_num_seqs => {
-                    let job = &w.job;
-                    match cache.allocate(
-                        job.prompt_hashes(block_size),
-                        job.prompt_tokens,
-                        job.total_tokens,
-                    ) {
-                        Ok(alloc) => {
-                            *running += 1;
-                            Some(Ok((waiting.pop_front().expect("front exists"), alloc)))
-                        }
-                        Err(Shortage::Wait) => None,
-                        Err(Shortage::Never { needed, total }) => Some(Err((
-                            waiting.pop_front().expect("front exists"),
-                            needed,
-                            total,
-                        ))),
-                    }
-                }
-                _ => None,
-            };
-            if let Some(Err((w, _, _))) = &admitted {
-                state.arrived(w.job.prompt_hashes(block_size));
-            }
-            admitted
-        };
-        match next {
-            None => engine.wake.notified().await,
-            Some(Err((w, needed_blocks, total_blocks))) => {
-                let _ = w.reply.send(Err(Refusal::TooLong {
-                    needed_blocks,
-                    total_blocks,
-                }));
-            }
-            Some(Ok((w, alloc))) => {
-                // The allocation may have evicted blocks.
-                engine.publish_events();
-                prefill(&engine, w, alloc, &mut free_at).await
-            }
-        }
+/// A request admitted to the prefill engine whose first token is not out yet.
+struct Prefilling {
+    waiting: Waiting,
+    alloc: Allocation,
+    cached_tokens: usize,
+    /// Prompt tokens computed so far, the cached ones included.
+    computed: usize,
+}
+
+impl Prefilling {
+    fn done(&self) -> bool {
+        self.computed >= self.waiting.job.prompt_tokens
     }
 }
 
-async fn prefill(engine: &Arc<Engine>, w: Waiting, mut alloc: Allocation, free_at: &mut Instant) {
-    let config = &engine.config;
-    let cached_tokens = alloc.cached_blocks() * config.block_size;
-    let uncached = w.job.prompt_tokens - cached_tokens;
-    let prefill_secs = config.prefill_secs(uncached);
-    // Planned times, not measured ones: a late wake-up shortens the next wait instead of
-    // pushing every later request back (timers have a resolution of about 1 ms).
-    let start = (*free_at).max(Instant::now());
-    let done = start + engine.real(prefill_secs);
-    *free_at = done;
-    if engine.time_scale() > 0.0 {
-        tokio::time::sleep_until(done.into()).await;
+/// What one engine step computes.
+#[derive(Default)]
+struct Step {
+    /// Prompt tokens computed in the step.
+    tokens: usize,
+    /// Requests that can never fit, taken off the queue.
+    refused: Vec<(Waiting, usize, usize)>,
+}
+
+impl State {
+    /// Drops the requests whose client left; returns how many had been admitted.
+    fn drop_abandoned(&mut self, block_size: usize) -> u64 {
+        let mut gone: Vec<Vec<u64>> = Vec::new();
+        self.waiting.retain(|w| {
+            let open = !w.reply.is_closed();
+            if !open {
+                gone.push(w.job.prompt_hashes(block_size).to_vec());
+            }
+            open
+        });
+        let mut aborted = 0;
+        let mut kept = VecDeque::with_capacity(self.prefilling.len());
+        for p in self.prefilling.drain(..) {
+            if p.waiting.reply.is_closed() {
+                self.cache.release(p.alloc);
+                self.running -= 1;
+                gone.push(p.waiting.job.prompt_hashes(block_size).to_vec());
+                aborted += 1;
+            } else {
+                kept.push_back(p);
+            }
+        }
+        self.prefilling = kept;
+        for hashes in gone {
+            self.arrived(&hashes);
+        }
+        aborted
     }
-    let mut state = engine.state.lock();
-    let prompt_hashes = w.job.prompt_hashes(config.block_size);
-    state.cache.commit(&mut alloc, prompt_hashes, &w.job.tokens);
-    state.arrived(prompt_hashes);
-    drop(state);
-    engine.publish_events();
-    let m = &engine.metrics;
-    m.prefix_cache_queries
-        .fetch_add(w.job.prompt_tokens as u64, Relaxed);
-    m.prefix_cache_hits.fetch_add(cached_tokens as u64, Relaxed);
-    m.prompt_tokens
-        .fetch_add(w.job.prompt_tokens as u64, Relaxed);
-    let ttft_secs = engine
-        .simulated(done.saturating_duration_since(w.arrived))
-        .max(prefill_secs);
-    m.ttft.observe(ttft_secs);
-    let lease = Lease {
-        engine: engine.clone(),
-        alloc: Some(alloc),
-        hashes: w.job.block_hashes,
-        tokens: w.job.tokens,
+
+    /// Plans the next engine step as vLLM's scheduler does: the prompts being prefilled go on
+    /// first, then waiting requests are admitted while a seat, KV blocks and the step's token
+    /// budget last; a prompt longer than what is left of the budget is computed in chunks.
+    /// The blocks a step computes are cached when it is planned, so a request admitted later
+    /// in the same step finds the blocks of the ones before it: siblings arriving together
+    /// compute their shared prefix once.
+    fn plan_step(&mut self, config: &SimConfig) -> Step {
+        let block_size = config.block_size;
+        let mut budget = config.max_num_batched_tokens;
+        let mut step = Step::default();
+        let State {
+            cache,
+            waiting,
+            prefilling,
+            running,
+            ..
+        } = self;
+        for p in prefilling.iter_mut() {
+            if budget == 0 {
+                break;
+            }
+            step.tokens += advance(cache, p, &mut budget, block_size);
+        }
+        while budget > 0 && *running < config.max_num_seqs {
+            let Some(w) = waiting.front() else { break };
+            let job = &w.job;
+            match cache.allocate(
+                job.prompt_hashes(block_size),
+                job.prompt_tokens,
+                job.total_tokens,
+            ) {
+                Ok(alloc) => {
+                    *running += 1;
+                    let cached_tokens = alloc.cached_blocks() * block_size;
+                    let mut p = Prefilling {
+                        waiting: waiting.pop_front().expect("front exists"),
+                        alloc,
+                        cached_tokens,
+                        computed: cached_tokens,
+                    };
+                    step.tokens += advance(cache, &mut p, &mut budget, block_size);
+                    prefilling.push_back(p);
+                }
+                Err(Shortage::Wait) => break,
+                Err(Shortage::Never { needed, total }) => {
+                    let w = waiting.pop_front().expect("front exists");
+                    step.refused.push((w, needed, total));
+                }
+            }
+        }
+        for (w, _, _) in &step.refused {
+            self.arrived(w.job.prompt_hashes(block_size));
+        }
+        step
+    }
+}
+
+/// Computes the next chunk of `p`'s prompt within `budget` and caches its full blocks;
+/// returns the tokens computed.
+fn advance(
+    cache: &mut KvCache,
+    p: &mut Prefilling,
+    budget: &mut usize,
+    block_size: usize,
+) -> usize {
+    let job = &p.waiting.job;
+    let take = job.prompt_tokens.saturating_sub(p.computed).min(*budget);
+    p.computed += take;
+    *budget -= take;
+    let hashes = job.prompt_hashes(block_size);
+    let full = (p.computed / block_size).min(hashes.len());
+    cache.commit(&mut p.alloc, &hashes[..full], &job.tokens);
+    take
+}
+
+/// The scheduler: runs engine steps back to back while there are prompts to prefill, each
+/// taking the step overhead plus its tokens at the prefill rate; a request's first token is
+/// out when the step that computes the end of its prompt ends. Ends at [`Engine::shutdown`].
+async fn schedule(engine: Arc<Engine>) {
+    // When the prefill engine finishes its current step (planned, in real time).
+    let mut free_at = Instant::now();
+    while !engine.stopped.load(Relaxed) {
+        let step = {
+            let mut state = engine.state.lock();
+            let aborted = state.drop_abandoned(engine.config.block_size);
+            if aborted > 0 {
+                engine.metrics.success_abort.fetch_add(aborted, Relaxed);
+            }
+            state.plan_step(&engine.config)
+        };
+        let refused = !step.refused.is_empty();
+        for (w, needed_blocks, total_blocks) in step.refused {
+            let _ = w.reply.send(Err(Refusal::TooLong {
+                needed_blocks,
+                total_blocks,
+            }));
+        }
+        if step.tokens == 0 {
+            if !refused {
+                engine.wake.notified().await;
+            }
+            continue;
+        }
+        // Admissions may have evicted blocks, and the step cached new ones.
+        engine.publish_events();
+        let step_secs = engine.config.step_secs(step.tokens);
+        // Planned times, not measured ones: a late wake-up shortens the next wait instead of
+        // pushing every later request back (timers have a resolution of about 1 ms).
+        let start = free_at.max(Instant::now());
+        let done = start + engine.real(step_secs);
+        free_at = done;
+        if engine.time_scale() > 0.0 {
+            tokio::time::sleep_until(done.into()).await;
+        }
+        first_tokens(&engine, done, step_secs);
+    }
+}
+
+/// Hands the requests whose prompt the step finished their first token.
+fn first_tokens(engine: &Arc<Engine>, done: Instant, step_secs: f64) {
+    let block_size = engine.config.block_size;
+    let finished: Vec<Prefilling> = {
+        let mut state = engine.state.lock();
+        let (finished, going_on): (Vec<_>, Vec<_>) = std::mem::take(&mut state.prefilling)
+            .into_iter()
+            .partition(Prefilling::done);
+        state.prefilling = going_on.into();
+        for p in &finished {
+            state.arrived(p.waiting.job.prompt_hashes(block_size));
+        }
+        finished
     };
-    // If the client left meanwhile, the lease comes back and is dropped: blocks and seat free.
-    let _ = w.reply.send(Ok(Admitted {
-        lease,
-        cached_tokens,
-        first_token_at: done,
-        ttft_secs,
-    }));
+    let m = &engine.metrics;
+    for p in finished {
+        let Prefilling {
+            waiting: w,
+            alloc,
+            cached_tokens,
+            ..
+        } = p;
+        m.prefix_cache_queries
+            .fetch_add(w.job.prompt_tokens as u64, Relaxed);
+        m.prefix_cache_hits.fetch_add(cached_tokens as u64, Relaxed);
+        m.prompt_tokens
+            .fetch_add(w.job.prompt_tokens as u64, Relaxed);
+        let ttft_secs = engine
+            .simulated(done.saturating_duration_since(w.arrived))
+            .max(step_secs);
+        m.ttft.observe(ttft_secs);
+        let lease = Lease {
+            engine: engine.clone(),
+            alloc: Some(alloc),
+            hashes: w.job.block_hashes,
+            tokens: w.job.tokens,
+        };
+        // If the client left meanwhile, the lease comes back and is dropped: blocks and seat
+        // free.
+        let _ = w.reply.send(Ok(Admitted {
+            lease,
+            cached_tokens,
+            first_token_at: done,
+            ttft_secs,
+        }));
+    }
 }
 
 /// A running request's seat and KV blocks, given back when dropped.
@@ -391,5 +507,104 @@ impl Drop for Lease {
             drop(state);
             self.engine.wake.notify_one();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BLOCK: usize = 16;
+
+    fn config(max_num_batched_tokens: usize) -> SimConfig {
+        SimConfig {
+            block_size: BLOCK,
+            kv_blocks: 100,
+            max_num_batched_tokens,
+            ..SimConfig::default()
+        }
+    }
+
+    fn state() -> State {
+        State {
+            cache: KvCache::new(100, BLOCK),
+            waiting: VecDeque::new(),
+            prefilling: VecDeque::new(),
+            running: 0,
+            coming: HashMap::new(),
+        }
+    }
+
+    /// Queues a prompt of `tokens` tokens whose full blocks are named `first_block..`.
+    fn enqueue(
+        state: &mut State,
+        first_block: u64,
+        tokens: usize,
+    ) -> oneshot::Receiver<Result<Admitted, Refusal>> {
+        let block_hashes: Vec<u64> = (first_block..).take(tokens / BLOCK).collect();
+        let job = Job {
+            block_hashes,
+            tokens: vec![0; tokens].into(),
+            prompt_tokens: tokens,
+            total_tokens: tokens + 1,
+        };
+        state.expect(job.prompt_hashes(BLOCK));
+        let (reply, admitted) = oneshot::channel();
+        state.waiting.push_back(Waiting {
+            job,
+            arrived: Instant::now(),
+            reply,
+        });
+        admitted
+    }
+
+    #[test]
+    fn requests_waiting_together_share_a_step_and_compute_a_common_prefix_once() {
+        let mut state = state();
+        // Two siblings (10 equal blocks, then 10 more tokens) and an unrelated prompt.
+        let _a = enqueue(&mut state, 0, 170);
+        let _b = enqueue(&mut state, 0, 170);
+        let _c = enqueue(&mut state, 1000, 50);
+        let step = state.plan_step(&config(8192));
+        // a computes 170; b finds a's 10 blocks and computes its last 10 tokens; c its 50.
+        assert_eq!(step.tokens, 170 + 10 + 50);
+        let cached: Vec<usize> = state.prefilling.iter().map(|p| p.cached_tokens).collect();
+        assert_eq!(cached, [0, 160, 0]);
+        assert!(state.prefilling.iter().all(Prefilling::done));
+        assert_eq!(state.running, 3);
+    }
+
+    #[test]
+    fn a_prompt_longer_than_the_step_budget_is_prefilled_in_chunks() {
+        let mut state = state();
+        let _long = enqueue(&mut state, 0, 170);
+        let config = config(64);
+        // Each step computes 64 tokens and caches the blocks it completed.
+        assert_eq!(state.plan_step(&config).tokens, 64);
+        assert_eq!(state.cache.cached_blocks(), 4);
+        assert!(!state.prefilling[0].done());
+        // A request arriving meanwhile waits: the budget goes to the prompt already started.
+        let _next = enqueue(&mut state, 1000, 50);
+        assert_eq!(state.plan_step(&config).tokens, 64);
+        assert_eq!(state.prefilling.len(), 1);
+        // The last 42 tokens, and 22 of the next prompt in the budget left.
+        assert_eq!(state.plan_step(&config).tokens, 64);
+        assert!(state.prefilling[0].done());
+        assert_eq!(state.prefilling[1].computed, 22);
+        assert_eq!(state.cache.cached_blocks(), 10 + 1);
+    }
+
+    #[test]
+    fn a_client_that_leaves_frees_its_seat_and_blocks_mid_prefill() {
+        let mut state = state();
+        let gone = enqueue(&mut state, 0, 170);
+        let config = config(64);
+        state.plan_step(&config);
+        assert_eq!((state.running, state.cache.usage() > 0.0), (1, true));
+        drop(gone);
+        assert_eq!(state.drop_abandoned(BLOCK), 1);
+        assert_eq!((state.running, state.cache.usage()), (0, 0.0));
+        assert!(state.coming.is_empty());
+        assert_eq!(state.plan_step(&config).tokens, 0);
     }
 }

@@ -151,8 +151,8 @@ async fn a_probe_counts_the_prompts_ahead_in_the_queue() {
         let (url, body) = (url.clone(), completion(&prompt, 1));
         tokio::spawn(async move { post(&url, "/v1/completions", body).await })
     };
-    // While the first is in prefill nothing of it is cached yet, but a request arriving now
-    // is prefilled after it and finds its blocks: the probe says so (what an oracle needs).
+    // While the first is in prefill a request arriving now is prefilled after it and finds its
+    // blocks (cached when its step was planned, as vLLM does): the probe says so.
     tokio::time::sleep(Duration::from_millis(40)).await;
     let probe = post(&url, "/sim/probe", json!({"prompt": prompt})).await.1;
     assert_eq!(probe["cached_tokens"], 240, "{probe}");
