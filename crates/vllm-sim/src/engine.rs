@@ -84,12 +84,17 @@ impl State {
     }
 
     fn arrived(&mut self, hashes: &[u64]) {
-        for h in hashes {
-            if let Some(n) = self.coming.get_mut(h) {
-                *n -= 1;
-                if *n == 0 {
-                    self.coming.remove(h);
-                }
+        no_longer_coming(&mut self.coming, hashes);
+    }
+}
+
+/// Takes a request's prompt blocks off `coming` (prefilled, refused or abandoned).
+fn no_longer_coming(coming: &mut HashMap<u64, u32>, hashes: &[u64]) {
+    for h in hashes {
+        if let Some(n) = coming.get_mut(h) {
+            *n -= 1;
+            if *n == 0 {
+                coming.remove(h);
             }
         }
     }
@@ -276,31 +281,31 @@ struct Step {
 impl State {
     /// Drops the requests whose client left; returns how many had been admitted.
     fn drop_abandoned(&mut self, block_size: usize) -> u64 {
-        let mut gone: Vec<Vec<u64>> = Vec::new();
-        self.waiting.retain(|w| {
+        let State {
+            cache,
+            waiting,
+            prefilling,
+            running,
+            coming,
+        } = self;
+        waiting.retain(|w| {
             let open = !w.reply.is_closed();
             if !open {
-                gone.push(w.job.prompt_hashes(block_size).to_vec());
+                no_longer_coming(coming, w.job.prompt_hashes(block_size));
             }
             open
         });
-        let mut aborted = 0;
-        let mut kept = VecDeque::with_capacity(self.prefilling.len());
-        for p in self.prefilling.drain(..) {
-            if p.waiting.reply.is_closed() {
-                self.cache.release(p.alloc);
-                self.running -= 1;
-                gone.push(p.waiting.job.prompt_hashes(block_size).to_vec());
-                aborted += 1;
-            } else {
-                kept.push_back(p);
+        let before = prefilling.len();
+        prefilling.retain_mut(|p| {
+            let open = !p.waiting.reply.is_closed();
+            if !open {
+                cache.release(std::mem::take(&mut p.alloc));
+                *running -= 1;
+                no_longer_coming(coming, p.waiting.job.prompt_hashes(block_size));
             }
-        }
-        self.prefilling = kept;
-        for hashes in gone {
-            self.arrived(&hashes);
-        }
-        aborted
+            open
+        });
+        (before - prefilling.len()) as u64
     }
 
     /// Plans the next engine step as vLLM's scheduler does: the prompts being prefilled go on
