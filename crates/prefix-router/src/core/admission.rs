@@ -577,6 +577,23 @@ mod tests {
         assert!(saturated(&row, &settings), "200 ms of work ahead");
     }
 
+    #[test]
+    fn a_stalled_backend_is_saturated_by_the_wait_bound() {
+        let settings = AdmissionSettings {
+            max_wait: Some(Duration::from_millis(100)),
+            ..settings(10)
+        };
+        let mut row = CandidateRow {
+            inflight: 1,
+            waiting_first_byte: 1,
+            queued_prefill_tokens: 100,
+            ..Default::default()
+        };
+        assert!(!saturated(&row, &settings));
+        row.stalled_secs = 0.5;
+        assert!(saturated(&row, &settings), "no first byte for 0.5 s");
+    }
+
     fn ticket(priority: i32, tenant: u64) -> Ticket {
         Ticket {
             priority,

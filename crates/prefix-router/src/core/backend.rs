@@ -88,6 +88,9 @@ pub struct Backend {
     pub waiting_first_byte: AtomicU64,
     /// Uncached prompt tokens of those: the prefill work queued there by this router.
     pub queued_prefill_tokens: AtomicU64,
+    /// When its prefill queue last moved ([`progress_clock`] ns): a first byte came (or a
+    /// request left without one), or a request was sent while none of ours was waiting.
+    progress_at: AtomicU64,
     /// What the other router replicas hold here, as they last told over the replica bus.
     pub remote: RemoteLoad,
     /// Its prefill speed, learned from the TTFTs of streamed requests.
@@ -168,6 +171,7 @@ impl Backend {
             inflight: AtomicU64::new(0),
             waiting_first_byte: AtomicU64::new(0),
             queued_prefill_tokens: AtomicU64::new(0),
+            progress_at: AtomicU64::new(progress_clock()),
             remote: RemoteLoad::default(),
             prefill: Default::default(),
             reported_queue: AtomicU64::new(0),
@@ -305,6 +309,22 @@ impl Backend {
             .saturating_sub(self.waiting_first_byte_at_report.load(Relaxed))
     }
 
+    /// How long requests of ours have waited here without any first byte coming: a backend
+    /// that has stopped answering (seen on real vLLM: one server held 15 requests for 5 s
+    /// while the other gave 148 first bytes) looks as fast as ever to a learned prefill line,
+    /// which only hears from the requests that finish. 0 while none of ours waits.
+    pub fn stalled_secs(&self) -> f64 {
+        if self.waiting_first_byte.load(Relaxed) == 0 {
+            return 0.0;
+        }
+        let since = progress_clock().saturating_sub(self.progress_at.load(Relaxed));
+        since as f64 * 1e-9
+    }
+
+    fn note_progress(&self) {
+        self.progress_at.store(progress_clock(), Relaxed);
+    }
+
     /// What a policy sees of this backend now (matched tokens filled in later).
     pub fn row(&self) -> crate::core::policy::CandidateRow {
         crate::core::policy::CandidateRow {
@@ -321,8 +341,16 @@ impl Backend {
             kv_usage: self.kv_usage(),
             prefill: self.prefill.line(),
             prefill_observations: self.prefill.observations(),
+            stalled_secs: self.stalled_secs(),
         }
     }
+}
+
+/// Nanoseconds on a process-wide monotonic clock, for timestamps kept in atomics.
+fn progress_clock() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    let start = *START.get_or_init(std::time::Instant::now);
+    u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// A backend's load held by the other router replicas (their sums): policies add it to this
@@ -354,7 +382,10 @@ impl InflightGuard {
     /// A request with `uncached` prompt tokens to compute sent to `backend`.
     pub fn new(backend: Arc<Backend>, uncached: u64) -> Self {
         backend.inflight.fetch_add(1, Relaxed);
-        backend.waiting_first_byte.fetch_add(1, Relaxed);
+        if backend.waiting_first_byte.fetch_add(1, Relaxed) == 0 {
+            // The stall clock starts with the first request of ours to wait here.
+            backend.note_progress();
+        }
         backend.queued_prefill_tokens.fetch_add(uncached, Relaxed);
         Self {
             backend,
@@ -388,6 +419,7 @@ impl InflightGuard {
     }
 
     fn leave_prefill_queue(&self) {
+        self.backend.note_progress();
         self.backend.waiting_first_byte.fetch_sub(1, Relaxed);
         self.backend
             .queued_prefill_tokens
@@ -532,6 +564,27 @@ mod tests {
             (b.row().waiting_first_byte, b.row().foreign_waiting),
             (1, 2)
         );
+    }
+
+    #[test]
+    fn the_stall_clock_runs_while_ours_wait_and_restarts_at_each_first_byte() {
+        let pause = std::time::Duration::from_millis(30);
+        let b = Arc::new(Backend::new(BackendSpec::new("http://a:1"), 10).unwrap());
+        std::thread::sleep(pause);
+        assert_eq!(b.stalled_secs(), 0.0, "idle: no stall, however long");
+        let mut first = InflightGuard::new(b.clone(), 10);
+        let second = InflightGuard::new(b.clone(), 10);
+        let at_send = b.stalled_secs();
+        std::thread::sleep(pause);
+        let waited = b.row().stalled_secs;
+        assert!(
+            waited >= 0.03 && waited > at_send,
+            "{at_send} then {waited}"
+        );
+        first.first_byte();
+        assert!(b.stalled_secs() < waited, "a first byte is progress");
+        drop(second);
+        assert_eq!(b.stalled_secs(), 0.0, "none of ours waits");
     }
 
     #[test]

@@ -486,7 +486,7 @@ pub(crate) async fn begin_attempt(
     if attempt.stream {
         // Its TTFT teaches the backend's prefill line, and says how right the line was.
         let work = crate::core::policy::prefill_work(&row, uncached);
-        let predicted = crate::core::policy::ttft_of_work(&row, work);
+        let predicted = crate::core::policy::ttft_after_queue(&row, work, uncached);
         let (gw2, b2) = (gw.clone(), backend.clone());
         let decoding = row.inflight.saturating_sub(row.waiting_first_byte);
         let span = attempt.span.cloned();

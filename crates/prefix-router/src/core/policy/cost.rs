@@ -38,7 +38,16 @@ pub fn prefill_work(row: &CandidateRow, uncached: u64) -> u64 {
 
 /// The predicted TTFT of a request with `uncached` tokens to compute at `row`.
 pub fn predicted_ttft(row: &CandidateRow, uncached: u64) -> f64 {
-    ttft_of_work(row, prefill_work(row, uncached))
+    ttft_after_queue(row, prefill_work(row, uncached), uncached)
+}
+
+/// The predicted TTFT at `row` of a request with `work` tokens to compute before its first
+/// token, `uncached` of them its own: the work through the learned line, but no less than the
+/// time the queue there has already gone without moving ([`CandidateRow::stalled_secs`]) plus
+/// the request's own prefill. A stalled backend then costs more the longer it stalls, and the
+/// requests it holds stop drawing more.
+pub fn ttft_after_queue(row: &CandidateRow, work: u64, uncached: u64) -> f64 {
+    ttft_of_work(row, work).max(row.stalled_secs + ttft_of_work(row, uncached))
 }
 
 /// The predicted TTFT at `row` of a request with `work` tokens to compute before its first
@@ -165,6 +174,24 @@ mod tests {
         // 2,000 queued: the match still wins.
         r[0].queued_prefill_tokens = 2000;
         assert_eq!(Cost.choose(&r, &known(4000, 0)).order[0], 0);
+    }
+
+    #[test]
+    fn a_stalled_backend_costs_the_time_it_has_stalled() {
+        // Backend 0 holds the prefix and little work, but its waiting requests have had no
+        // first byte for 2 s: a new request would wait behind them.
+        let mut r = matched(fleet(2), &[3000, 0]);
+        r[0].waiting_first_byte = 3;
+        r[0].queued_prefill_tokens = 300;
+        assert_eq!(Cost.choose(&r, &known(4000, 0)).order[0], 0, "not stalled");
+        r[0].stalled_secs = 2.0;
+        let c = Cost.choose(&r, &known(4000, 0));
+        assert_eq!((c.order[0], c.reason), (1, Reason::CostBalance));
+        // 2 s + its own 1,000 uncached tokens (0.11 s).
+        assert!((predicted_ttft(&r[0], 1000) - 2.11).abs() < 1e-9);
+        // A stall shorter than the work queued ahead changes nothing.
+        r[0].stalled_secs = 0.01;
+        assert!((predicted_ttft(&r[0], 1000) - ttft_of_work(&r[0], 1300)).abs() < 1e-9);
     }
 
     #[test]

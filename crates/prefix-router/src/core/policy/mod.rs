@@ -18,7 +18,7 @@ pub(crate) mod fixtures;
 
 use prefix_index::ServerId;
 
-pub use cost::{predicted_ttft, prefill_work, ttft_of_work, Cost};
+pub use cost::{predicted_ttft, prefill_work, ttft_after_queue, ttft_of_work, Cost};
 pub use least_loaded::LeastLoaded;
 pub use prefix::Prefix;
 pub use prefix_load::PrefixLoad;
@@ -117,6 +117,9 @@ pub struct CandidateRow {
     pub prefill: crate::core::prefill::PrefillLine,
     /// ... from this many of them.
     pub prefill_observations: u64,
+    /// Seconds its waiting requests (ours) have gone without a first byte: a request sent
+    /// there now waits at least about as long again, whatever its learned line says.
+    pub stalled_secs: f64,
 }
 
 /// What the match sources said about a request.
