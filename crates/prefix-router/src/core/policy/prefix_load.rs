@@ -44,10 +44,12 @@ impl Policy for PrefixLoad {
         }
         // In requests per unit of weight: a backend of weight 4 at 40 is as loaded as one of
         // weight 1 at 10.
-        let chosen = per_weight(&rows[order[best]]);
+        let matched = &rows[order[best]];
+        let chosen = per_weight(matched);
         let least = rows.iter().map(per_weight).fold(f64::MAX, f64::min);
-        let overloaded = chosen > least + guard_margin(rows, self.balance_abs)
-            && chosen > least * self.balance_rel;
+        let margin =
+            guard_margin(rows, self.balance_abs).max(still_to_prefill(matched, self.balance_abs));
+        let overloaded = chosen > least + margin && chosen > least * self.balance_rel;
         if overloaded {
             return by_load(order, Reason::LoadGuard);
         }
@@ -65,6 +67,20 @@ impl Policy for PrefixLoad {
 pub fn guard_margin(rows: &[CandidateRow], balance_abs: u64) -> f64 {
     let mean = rows.iter().map(per_weight).sum::<f64>() / rows.len().max(1) as f64;
     (1.5 * mean).clamp(1.0, (balance_abs as f64).max(1.0))
+}
+
+/// The matched backend's requests still waiting for their first byte (per unit of weight, at
+/// most `balance_abs`), which the guard lets it carry above the least loaded whatever the
+/// fleet's mean. They are most often the siblings of this request (agents fanning out: the
+/// match is there because they were sent there), and vLLM prefills requests that wait
+/// together in one engine step where the shared prefix is computed once; so gathering them
+/// costs little, and splitting them computes the prefix again elsewhere. On real vLLM
+/// (bursts of 4 siblings, 2 CPU servers) the guard used to split each burst 3/1 (hit rate
+/// 0.479, mean TTFT 81–133 ms against smg's 41–49); counting them in the margin keeps bursts
+/// whole (0.697, 58–74 ms against 53–56). Requests that already decode still count in full,
+/// so the multi-turn balance it was shrunk for is kept (sims: imbalance 1.53 either way).
+fn still_to_prefill(row: &CandidateRow, balance_abs: u64) -> f64 {
+    (row.waiting_first_byte as f64 / row.weight.max(1) as f64).min(balance_abs as f64)
 }
 
 #[cfg(test)]
@@ -106,6 +122,36 @@ mod tests {
         // Two above, with the others idle: the guard trips (it used to wait for balance_abs).
         r[1].inflight = 2;
         assert_eq!(policy().choose(&r, &known(10, 0)).reason, Reason::LoadGuard);
+    }
+
+    #[test]
+    fn siblings_waiting_to_be_prefilled_do_not_split_a_burst() {
+        // A burst of four siblings: the first went to idle backend 1, the others match there.
+        let mut r = matched(rows(2), &[0, 9]);
+        for sent in 1..=3 {
+            r[1].inflight = sent;
+            r[1].waiting_first_byte = sent;
+            let c = policy_with(16).choose(&r, &known(10, 0));
+            assert_eq!(
+                (c.order[0], c.reason),
+                (1, Reason::CacheHit),
+                "{sent} waiting"
+            );
+        }
+        // The same three once they decode: ordinary load, three above the least loaded against
+        // the fleet's margin of 2.25, and the guard trips as before.
+        r[1].waiting_first_byte = 0;
+        assert_eq!(
+            policy_with(16).choose(&r, &known(10, 0)).reason,
+            Reason::LoadGuard
+        );
+        // Waiting requests count up to balance_abs only.
+        r[1].inflight = 6;
+        r[1].waiting_first_byte = 6;
+        assert_eq!(
+            policy_with(4).choose(&r, &known(10, 0)).reason,
+            Reason::LoadGuard
+        );
     }
 
     #[test]
