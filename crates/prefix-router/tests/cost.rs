@@ -127,8 +127,9 @@ async fn a_burst_of_siblings_spreads_over_equal_servers() {
         .await;
         assert!(n >= 2.0, "{u} took {n} of the burst");
     }
-    // prefix_load spreads it less: its guard's margin is 1.5 times the fleet's mean load (a
-    // few requests here), so a burst moves on once its first server is that far ahead.
+    // prefix_load keeps it together: the siblings wait for their first byte on the server that
+    // took the first, and its guard lets a server carry those (vLLM prefills them in one step
+    // with the shared prefix computed once; see `prefix_load`'s `still_to_prefill`).
     let (r2, _) = router(&urls, &["--policy", "prefix_load"]).await;
     let url2 = r2.url();
     let prefix = text(7, 6000);
@@ -156,7 +157,7 @@ async fn a_burst_of_siblings_spreads_over_equal_servers() {
     eprintln!("prefix_load: the burst went {taken:?}");
     assert_eq!(taken.iter().sum::<f64>(), 9.0);
     assert!(
-        taken.iter().all(|&n| n <= 6.0),
-        "prefix_load kept more than 6 of 9 on one server: {taken:?}"
+        taken.iter().any(|&n| n >= 7.0),
+        "prefix_load split the burst: {taken:?}"
     );
 }
