@@ -241,6 +241,8 @@ impl Exchange {
             tenant_guard,
             prompt,
             decision,
+            // Envoy sends the body as the client wrote it: no priority is written here.
+            vllm_priority: _,
         } = placed;
         let attempts = gw.settings.attempts(decision.order.len());
         let order: Vec<Arc<Backend>> = decision.order.into_iter().take(attempts).collect();
@@ -441,6 +443,7 @@ fn by_load(
         permit: crate::core::admission::Permit::free(),
         tenant_guard: None,
         prompt: None,
+        vllm_priority: None,
         decision: gw.core.pick_by_load(candidates.backends),
     })
 }

@@ -255,6 +255,14 @@ pub struct QueueArgs {
     /// without it, the request's bearer token stands for its tenant.
     #[arg(long, env = "PREFIX_ROUTER_TENANT_HEADER", default_value = "x-tenant")]
     pub tenant_header: String,
+    /// Also tell the backends each request's priority: written into the body as vLLM's
+    /// `priority` (negated: vLLM serves lower values first), so that backends started with
+    /// `--scheduling-policy priority` order their own waiting requests by it too. Only for
+    /// such backends (vLLM refuses a non-zero priority otherwise); a body that sets
+    /// `priority` itself is left as it is. Not in endpoint-picker mode, where Envoy sends the
+    /// body.
+    #[arg(long, env = "PREFIX_ROUTER_FORWARD_PRIORITY")]
+    pub forward_priority: bool,
 }
 
 impl QueueArgs {

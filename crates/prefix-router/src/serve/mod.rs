@@ -56,6 +56,8 @@ pub struct GatewaySettings {
     pub max_concurrent: usize,
     /// Names a request's tenant for the gateway queue.
     pub tenant_header: HeaderName,
+    /// Write each request's priority into its body for vLLM (`--forward-priority`).
+    pub forward_priority: bool,
 }
 
 impl GatewaySettings {
@@ -234,6 +236,7 @@ pub(crate) async fn gateway_with<T>(
             upstream_timeout: args.upstream_timeout,
             max_concurrent: args.limits.max_concurrent,
             tenant_header,
+            forward_priority: args.queue.forward_priority,
         },
         monitor,
         metrics,

@@ -52,6 +52,8 @@ struct Fields<'a> {
     instructions: Option<&'a RawValue>,
     #[serde(borrow, default)]
     stream: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    priority: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -89,6 +91,8 @@ pub struct Routing {
     /// `"stream": true`: the backend answers with its head at once and then events, so a
     /// missing head means a hung backend; a non-streamed answer's head comes only at the end.
     pub stream: bool,
+    /// The body sets vLLM's `priority` itself (then the router does not write its own).
+    pub sets_priority: bool,
 }
 
 fn invalid(what: &str) -> InvalidRequest {
@@ -134,11 +138,13 @@ pub fn routing(endpoint: Endpoint, body: &[u8]) -> Result<Routing, InvalidReques
         _ => None,
     };
     let stream = fields.stream.is_some_and(|s| s.get() == "true");
+    let sets_priority = !is_null(fields.priority);
     if endpoint == Endpoint::Other {
         return Ok(Routing {
             model,
             text: String::new(),
             stream,
+            sets_priority,
         });
     }
     let Some(model) = model else {
@@ -205,7 +211,30 @@ pub fn routing(endpoint: Endpoint, body: &[u8]) -> Result<Routing, InvalidReques
         model: Some(model),
         text,
         stream,
+        sets_priority,
     })
+}
+
+/// `body` (a JSON object, as [`routing`] checked) with `"priority": vllm_priority` as its first
+/// field, for a vLLM that schedules by priority (lower first). The rest is passed byte for byte.
+pub fn with_priority(body: &[u8], vllm_priority: i64) -> bytes::Bytes {
+    let Some(open) = body.iter().position(|&b| b == b'{') else {
+        return bytes::Bytes::copy_from_slice(body);
+    };
+    let rest = &body[open + 1..];
+    let empty = rest
+        .iter()
+        .find(|b| !b.is_ascii_whitespace())
+        .is_none_or(|&b| b == b'}');
+    let field = format!(
+        "\"priority\":{vllm_priority}{}",
+        if empty { "" } else { "," }
+    );
+    let mut out = Vec::with_capacity(body.len() + field.len());
+    out.extend_from_slice(&body[..=open]);
+    out.extend_from_slice(field.as_bytes());
+    out.extend_from_slice(rest);
+    out.into()
 }
 
 /// A completions prompt or embeddings input: a string, a list of strings (the first), token
@@ -389,6 +418,25 @@ mod tests {
     }
 
     #[test]
+    fn the_priority_is_written_first_and_the_rest_kept() {
+        let body = br#" {"model": "m", "prompt": "{not a field}"}"#;
+        let out = with_priority(body, -5);
+        assert_eq!(
+            &out[..],
+            br#" {"priority":-5,"model": "m", "prompt": "{not a field}"}"#
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(
+            v,
+            json!({"priority": -5, "model": "m", "prompt": "{not a field}"})
+        );
+        assert_eq!(&with_priority(b"{ }", 3)[..], b"{\"priority\":3 }");
+        assert!(!routing(Endpoint::Completions, body).unwrap().sets_priority);
+        let own = br#"{"model": "m", "prompt": "x", "priority": 2}"#;
+        assert!(routing(Endpoint::Completions, own).unwrap().sets_priority);
+    }
+
+    #[test]
     fn other_endpoints_only_need_the_model() {
         let r = routing(Endpoint::Other, br#"{"prompt": 5}"#).unwrap();
         assert_eq!(
@@ -397,6 +445,7 @@ mod tests {
                 model: None,
                 text: String::new(),
                 stream: false,
+                sets_priority: false,
             }
         );
     }

@@ -138,6 +138,8 @@ pub(crate) struct Placed {
     pub permit: Permit,
     /// Its place under its tenant's concurrency cap, held until the answer ends.
     pub tenant_guard: Option<TenantGuard>,
+    /// The priority to write into its body for vLLM (`--forward-priority`), if any.
+    pub vllm_priority: Option<i64>,
     /// What the string index learns where it is sent.
     pub prompt: Option<PromptKey>,
     pub decision: crate::core::Decision,
@@ -230,7 +232,14 @@ pub(crate) async fn place(
             )
             .await
     };
+    // vLLM's default is 0, and it serves lower values first.
+    let vllm_priority = (gw.settings.forward_priority
+        && priority != 0
+        && !routing.sets_priority
+        && endpoint != Endpoint::Other)
+        .then(|| -i64::from(priority));
     Ok(Placed {
+        vllm_priority,
         stream: routing.stream,
         text_bytes: routing.text.len() as u64,
         model,
@@ -332,7 +341,12 @@ async fn forward(
         tenant_guard,
         prompt,
         decision,
+        vllm_priority,
     } = placed;
+    let body = match vllm_priority {
+        Some(p) => request_string::with_priority(&body, p),
+        None => body,
+    };
     // A failure answered here ends the span; an answer passed through ends it at its end.
     let failed = |response: Response| {
         if let Some(s) = &span {
