@@ -32,8 +32,10 @@ async fn held_requests_leave_by_priority_then_tenant_turns_then_arrival() {
     assert!(
         eventually(10, || async {
             metric(&url, "prefix_router_queue_admitted_total", "direct").await == 1.0
+                && metric(&url, "prefix_router_inflight", "").await == 1.0
         })
-        .await
+        .await,
+        "the blocker was admitted and counted against the server"
     );
     let arrivals = [
         ("a1", 0, "a"),
@@ -91,8 +93,10 @@ async fn a_full_queue_refuses_and_a_client_that_leaves_frees_its_place() {
     assert!(
         eventually(10, || async {
             metric(&url, "prefix_router_queue_admitted_total", "direct").await == 1.0
+                && metric(&url, "prefix_router_inflight", "").await == 1.0
         })
-        .await
+        .await,
+        "the blocker was admitted and counted against the server"
     );
     let first = tokio::spawn(send(url.clone(), text(2, 400), vec![]));
     until_depth(&url, 1.0).await;
@@ -152,8 +156,10 @@ async fn a_request_queued_too_long_gets_503_and_a_bad_priority_400() {
     assert!(
         eventually(10, || async {
             metric(&url, "prefix_router_queue_admitted_total", "direct").await == 1.0
+                && metric(&url, "prefix_router_inflight", "").await == 1.0
         })
-        .await
+        .await,
+        "the blocker was admitted and counted against the server"
     );
     let started = Instant::now();
     let (status, _) = send(url.clone(), text(2, 400), vec![]).await;
