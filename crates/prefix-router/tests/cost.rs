@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{fleet, metric, metrics_text, router, series, text};
+use common::{eventually, fleet, metric, metrics_text, router, series, text};
 use serde_json::json;
 use vllm_sim::SimConfig;
 
@@ -129,17 +129,27 @@ async fn a_burst_of_siblings_spreads_over_equal_servers() {
     }
     // prefix_load keeps it together: the siblings wait for their first byte on the server that
     // took the first, and its guard lets a server carry those (vLLM prefills them in one step
-    // with the shared prefix computed once; see `prefix_load`'s `still_to_prefill`).
+    // with the shared prefix computed once; see `prefix_load`'s `still_to_prefill`). The first
+    // goes alone, so that the others can match it (siblings sent at the very same instant all
+    // miss the index and spread by load); its 6,000-token prefill (0.6 s) leaves them time to
+    // arrive while it waits.
     let (r2, _) = router(&urls, &["--policy", "prefix_load"]).await;
     let url2 = r2.url();
-    let prefix = text(7, 6000);
-    let burst: Vec<_> = (0..9u64)
-        .map(|i| {
-            let url = url2.clone();
-            let prompt = format!("{prefix} question {i}");
-            tokio::spawn(async move { stream(&url, prompt).await })
+    let prefix = text(7, 24_000);
+    let sibling = |i: u64| {
+        let url = url2.clone();
+        let prompt = format!("{prefix} question {i}");
+        tokio::spawn(async move { stream(&url, prompt).await })
+    };
+    let first = sibling(0);
+    assert!(
+        eventually(10, || async {
+            metric(&url2, "prefix_router_inflight", "").await == 1.0
         })
-        .collect();
+        .await
+    );
+    let burst: Vec<_> = (1..9u64).map(sibling).collect();
+    first.await.unwrap();
     for b in burst {
         b.await.unwrap();
     }
