@@ -8,9 +8,9 @@ mod common;
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::routing::{get, post};
+use axum::routing::post;
 use axum::{Json, Router};
-use common::router;
+use common::{fake_backend, router};
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 
@@ -27,21 +27,12 @@ async fn backend(seen: Arc<Mutex<Vec<Value>>>) -> String {
             "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}),
         )
     }
-    let app = Router::new()
-        .route("/health", get(|| async { "ok" }))
-        .route("/metrics", get(|| async { "" }))
-        .route(
-            "/v1/models",
-            get(|| async {
-                Json(json!({"object": "list", "data": [{"id": "fake-model", "object": "model"}]}))
-            }),
-        )
-        .route("/v1/completions", post(complete))
-        .with_state(seen);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    url
+    fake_backend(
+        Router::new()
+            .route("/v1/completions", post(complete))
+            .with_state(seen),
+    )
+    .await
 }
 
 /// Sends one completion with these headers and body fields; returns the status.

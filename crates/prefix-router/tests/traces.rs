@@ -10,9 +10,9 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::IntoResponse;
-use axum::routing::{get, post};
+use axum::routing::post;
 use axum::{Json, Router};
-use common::{eventually, router};
+use common::{eventually, fake_backend, router, serve_loopback};
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 
@@ -22,20 +22,13 @@ struct Seen {
     traceparents: Mutex<Vec<String>>,
 }
 
-async fn serve(app: Router) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    url
-}
-
 /// An OTLP/HTTP JSON receiver.
 async fn collector(seen: Arc<Seen>) -> String {
     async fn traces(State(seen): State<Arc<Seen>>, Json(body): Json<Value>) -> Json<Value> {
         seen.exports.lock().push(body);
         Json(json!({}))
     }
-    serve(
+    serve_loopback(
         Router::new()
             .route("/v1/traces", post(traces))
             .with_state(seen),
@@ -69,18 +62,12 @@ async fn backend(seen: Arc<Seen>) -> String {
             .into_response()
         }
     }
-    let app = Router::new()
-        .route("/health", get(|| async { "ok" }))
-        .route("/metrics", get(|| async { "" }))
-        .route(
-            "/v1/models",
-            get(|| async {
-                Json(json!({"object": "list", "data": [{"id": "fake-model", "object": "model"}]}))
-            }),
-        )
-        .route("/v1/completions", post(complete))
-        .with_state(seen);
-    serve(app).await
+    fake_backend(
+        Router::new()
+            .route("/v1/completions", post(complete))
+            .with_state(seen),
+    )
+    .await
 }
 
 /// Every span the collector received.

@@ -151,6 +151,34 @@ pub async fn send(
     (status, first)
 }
 
+/// Serves `app` on a free loopback port; returns its URL.
+pub async fn serve_loopback(app: axum::Router) -> String {
+    let listener = tokio::net::TcpListener::bind(SocketAddr::from(LOOPBACK))
+        .await
+        .unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
+
+/// A stand-in backend serving `fake-model`: `completions` (the test's own routes, which
+/// record what they receive) plus the health, metrics and models routes the router polls.
+pub async fn fake_backend(completions: axum::Router) -> String {
+    use axum::routing::get;
+    let app = completions
+        .route("/health", get(|| async { "ok" }))
+        .route("/metrics", get(|| async { "" }))
+        .route(
+            "/v1/models",
+            get(|| async {
+                axum::Json(serde_json::json!(
+                    {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+                ))
+            }),
+        );
+    serve_loopback(app).await
+}
+
 pub mod dashboard;
 pub mod envoy;
 pub mod vllm;
