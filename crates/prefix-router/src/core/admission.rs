@@ -6,14 +6,19 @@
 //! room again, and only then is it matched and routed, so its choice is made on the state it
 //! will meet. Requests leave by priority (highest first), fairly between the tenants of one
 //! priority (they take turns, one request each), and first in first out within a tenant. One
-//! released request at a time is "in transit" (released, not yet counted against a backend),
-//! so a backend that frees one slot does not receive the whole queue.
+//! admitted request at a time is "in transit" (admitted, not yet counted against a backend),
+//! whether released from the queue or admitted at once, so a backend that frees one slot does
+//! not receive the whole queue, and a burst arriving at a nearly saturated fleet does not pass
+//! on one look at its room.
 //!
 //! Nothing is lost or duplicated: a waiter that leaves (client gone, queue timeout) removes
 //! itself; a release sent to a waiter that has just left is handed to the next one.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicU64, AtomicUsize,
+    Ordering::{AcqRel, Relaxed},
+};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -41,16 +46,53 @@ pub struct AdmissionSettings {
     pub max_wait: Option<Duration>,
     /// A backend that reports at least this many waiting requests is saturated.
     pub max_waiting: Option<u64>,
+    /// A backend whose KV cache is at least this full (0..1) is saturated: a request sent
+    /// there would wait in vLLM for blocks to free.
+    pub max_kv_usage: Option<f64>,
     /// Requests held at once; one more is refused (429).
     pub max_queued: usize,
     /// Longest stay in the queue; then the request is refused (503).
     pub timeout: Duration,
+    /// The share of each bound kept for requests above the default priority: one of
+    /// priority 0 or below is held once a backend reaches `1 - reserve` of a bound, so a
+    /// backend always has room (and a short queue of its own) when a high-priority request
+    /// comes. 0 keeps no reserve.
+    pub priority_reserve: f64,
+}
+
+/// The bounds a request of one priority is held by.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Bounds {
+    pub max_wait: Option<Duration>,
+    pub max_waiting: Option<u64>,
+    pub max_kv_usage: Option<f64>,
 }
 
 impl AdmissionSettings {
     /// Whether any bound is set (without one nothing is ever held).
     pub fn enabled(&self) -> bool {
-        self.max_wait.is_some() || self.max_waiting.is_some()
+        self.max_wait.is_some() || self.max_waiting.is_some() || self.max_kv_usage.is_some()
+    }
+
+    /// The bounds for a request of `priority`: the full bounds above the default priority,
+    /// the bounds less the reserve at or below it (at least one waiting request).
+    pub fn bounds(&self, priority: i32) -> Bounds {
+        let full = Bounds {
+            max_wait: self.max_wait,
+            max_waiting: self.max_waiting,
+            max_kv_usage: self.max_kv_usage,
+        };
+        let keep = 1.0 - self.priority_reserve.clamp(0.0, 1.0);
+        if priority > 0 || keep >= 1.0 {
+            return full;
+        }
+        Bounds {
+            max_wait: full.max_wait.map(|d| d.mul_f64(keep)),
+            max_waiting: full
+                .max_waiting
+                .map(|n| ((n as f64 * keep).floor() as u64).max(1)),
+            max_kv_usage: full.max_kv_usage.map(|share| share * keep),
+        }
     }
 }
 
@@ -61,18 +103,22 @@ impl AdmissionSettings {
 /// (a CPU vLLM's ~0.2 s) would otherwise count as saturated while idle and hold every request
 /// until `--queue-timeout` (seen on real vLLM). A backend with nothing in flight from this
 /// router and no one else's requests waiting is never saturated. Waiting requests are this
-/// router's without a first byte, counted live, plus the others' the backend last reported.
-pub fn saturated(row: &CandidateRow, settings: &AdmissionSettings) -> bool {
+/// router's without a first byte, counted live, plus the others' the backend last reported;
+/// KV-cache use likewise (see [`CandidateRow::kv_tokens_in_use`]).
+pub fn saturated(row: &CandidateRow, bounds: &Bounds) -> bool {
     if row.inflight == 0 && row.foreign_waiting == 0 {
         return false;
     }
-    let waiting = settings
+    let waiting = bounds
         .max_waiting
         .is_some_and(|n| row.waiting_first_byte + row.foreign_waiting >= n);
-    let slow = settings
+    let slow = bounds
         .max_wait
         .is_some_and(|bound| predicted_ttft(row, 0) - ttft_of_work(row, 0) > bound.as_secs_f64());
-    waiting || slow
+    let full = bounds.max_kv_usage.is_some_and(|share| {
+        row.kv_cache_tokens > 0 && row.kv_tokens_in_use as f64 >= share * row.kv_cache_tokens as f64
+    });
+    waiting || slow || full
 }
 
 /// Who asks, and for what.
@@ -123,8 +169,8 @@ impl Drop for Permit {
     }
 }
 
-/// Decides, for the queue, whether a model's backends are all saturated.
-pub type SaturationCheck = Box<dyn Fn(Option<&str>, &AdmissionSettings) -> bool + Send + Sync>;
+/// Decides, for the queue, whether a model's backends are all saturated under some bounds.
+pub type SaturationCheck = Box<dyn Fn(Option<&str>, &Bounds) -> bool + Send + Sync>;
 
 struct Waiter {
     id: u64,
@@ -185,14 +231,21 @@ impl Queue {
         true
     }
 
-    /// Takes the next waiter whose model has room: highest priority first, the tenant whose
-    /// turn it is, its oldest request for a model with room. The tenant goes to the back.
-    fn next(&mut self, mut has_room: impl FnMut(Option<&str>) -> bool) -> Option<(i32, Waiter)> {
+    /// Takes the next waiter whose model has room for its priority: highest priority first,
+    /// the tenant whose turn it is, its oldest request for a model with room. The tenant goes
+    /// to the back.
+    fn next(
+        &mut self,
+        mut has_room: impl FnMut(Option<&str>, i32) -> bool,
+    ) -> Option<(i32, Waiter)> {
         let mut found = None;
         'levels: for (&priority, level) in self.levels.iter_mut().rev() {
             for t in 0..level.tenants.len() {
                 let waiters = &level.tenants[t].1;
-                if let Some(w) = waiters.iter().position(|w| has_room(w.model.as_deref())) {
+                if let Some(w) = waiters
+                    .iter()
+                    .position(|w| has_room(w.model.as_deref(), priority))
+                {
                     found = Some((priority, t, w));
                     break 'levels;
                 }
@@ -326,12 +379,16 @@ impl Admission {
         let priority = PriorityLabels {
             priority: ticket.priority,
         };
-        if self.depth.load(Relaxed) == 0
-            && self.in_transit.load(Relaxed) == 0
-            && !(self.saturated)(ticket.model.as_deref(), &self.settings)
-        {
-            self.count_admitted(ticket.priority, "direct");
-            return Ok(Permit::free());
+        // Room at once, and nobody ahead: admitted directly. It takes the in-transit place
+        // like a released request, or a burst arriving together would all see the same room
+        // (none of them is counted against a backend until it is routed) and all pass.
+        if self.depth.load(Relaxed) == 0 && self.take_transit() {
+            let bounds = self.settings.bounds(ticket.priority);
+            if !(self.saturated)(ticket.model.as_deref(), &bounds) {
+                self.count_admitted(ticket.priority, "direct");
+                return Ok(self.permit());
+            }
+            self.in_transit.fetch_sub(1, Relaxed);
         }
         let (tx, rx) = oneshot::channel();
         let id = {
@@ -417,17 +474,32 @@ impl Admission {
             .inc();
     }
 
+    /// Takes the one in-transit place if it is free.
+    fn take_transit(&self) -> bool {
+        self.in_transit
+            .compare_exchange(0, 1, AcqRel, Relaxed)
+            .is_ok()
+    }
+
+    /// Room for one request, holding the in-transit place (taken) until dropped.
+    fn permit(self: &Arc<Self>) -> Permit {
+        Permit {
+            admission: Some(self.clone()),
+        }
+    }
+
     /// Releases waiters while one may go: nothing in transit, and a model with room.
     fn release(self: &Arc<Self>) {
-        while self.in_transit.load(Relaxed) == 0 && self.depth.load(Relaxed) > 0 {
-            let mut room: HashMap<Option<Arc<str>>, bool> = HashMap::new();
+        while self.depth.load(Relaxed) > 0 && self.take_transit() {
+            // Room is judged once per model and priority class (reserve or not) per release.
+            let mut room: HashMap<(Option<Arc<str>>, bool), bool> = HashMap::new();
             let next = {
                 let mut queue = self.queue.lock();
-                let next = queue.next(|model| {
-                    let key = model.map(Arc::<str>::from);
-                    *room
-                        .entry(key)
-                        .or_insert_with(|| !(self.saturated)(model, &self.settings))
+                let next = queue.next(|model, priority| {
+                    let key = (model.map(Arc::<str>::from), priority > 0);
+                    *room.entry(key).or_insert_with(|| {
+                        !(self.saturated)(model, &self.settings.bounds(priority))
+                    })
                 });
                 if next.is_some() {
                     self.depth.fetch_sub(1, Relaxed);
@@ -435,18 +507,17 @@ impl Admission {
                 next
             };
             let Some((priority, waiter)) = next else {
+                // Whoever queues next wakes the dispatcher: nothing is lost by not waking it.
+                self.in_transit.fetch_sub(1, Relaxed);
                 return;
             };
             self.metrics
                 .depth
                 .get_or_create(&PriorityLabels { priority })
                 .dec();
-            self.in_transit.fetch_add(1, Relaxed);
             // A waiter that has just left drops the permit with its receiver: the place in
             // transit frees again and the loop goes on with the next.
-            let _ = waiter.tx.send(Permit {
-                admission: Some(self.clone()),
-            });
+            let _ = waiter.tx.send(self.permit());
         }
     }
 }
@@ -510,8 +581,10 @@ mod tests {
         AdmissionSettings {
             max_wait: Some(Duration::from_millis(100)),
             max_waiting: None,
+            max_kv_usage: None,
             max_queued,
             timeout: Duration::from_secs(5),
+            priority_reserve: 0.0,
         }
     }
 
@@ -539,19 +612,75 @@ mod tests {
             inflight: 3,
             ..Default::default()
         };
-        assert!(!saturated(&row, &settings));
+        assert!(!saturated(&row, &settings.bounds(0)));
         row.waiting_first_byte = 1;
-        assert!(!saturated(&row, &settings));
+        assert!(!saturated(&row, &settings.bounds(0)));
         row.foreign_waiting = 1;
         assert!(
-            saturated(&row, &settings),
+            saturated(&row, &settings.bounds(0)),
             "one of ours and one of another router's"
         );
         row.waiting_first_byte = 0;
         row.inflight = 0;
-        assert!(!saturated(&row, &settings));
+        assert!(!saturated(&row, &settings.bounds(0)));
         row.foreign_waiting = 2;
-        assert!(saturated(&row, &settings), "idle for us, full of others'");
+        assert!(
+            saturated(&row, &settings.bounds(0)),
+            "idle for us, full of others'"
+        );
+    }
+
+    #[test]
+    fn a_full_kv_cache_saturates_once_its_size_is_known() {
+        let settings = AdmissionSettings {
+            max_wait: None,
+            max_kv_usage: Some(0.9),
+            priority_reserve: 0.25,
+            ..settings(10)
+        };
+        let mut row = CandidateRow {
+            inflight: 8,
+            kv_tokens_in_use: 14_000,
+            ..Default::default()
+        };
+        assert!(!saturated(&row, &settings.bounds(0)), "size unknown");
+        row.kv_cache_tokens = 16_384;
+        assert!(saturated(&row, &settings.bounds(0)), "85 % above 67.5 %");
+        assert!(!saturated(&row, &settings.bounds(1)), "85 % below 90 %");
+        row.kv_tokens_in_use = 15_000;
+        assert!(saturated(&row, &settings.bounds(1)));
+    }
+
+    #[test]
+    fn the_reserve_holds_the_default_priority_first() {
+        let settings = AdmissionSettings {
+            max_wait: Some(Duration::from_millis(400)),
+            max_waiting: Some(4),
+            priority_reserve: 0.5,
+            ..settings(10)
+        };
+        let row = CandidateRow {
+            inflight: 2,
+            waiting_first_byte: 2,
+            ..Default::default()
+        };
+        assert!(saturated(&row, &settings.bounds(0)), "half of 4 waiting");
+        assert!(saturated(&row, &settings.bounds(-3)));
+        assert!(!saturated(&row, &settings.bounds(1)), "room kept for it");
+        let low = settings.bounds(0);
+        assert_eq!(low.max_wait, Some(Duration::from_millis(200)));
+        // Never below one waiting request, or the default priority would never be admitted
+        // beside one being prefilled.
+        let all = AdmissionSettings {
+            priority_reserve: 1.0,
+            ..settings.clone()
+        };
+        assert_eq!(all.bounds(0).max_waiting, Some(1));
+        let none = AdmissionSettings {
+            priority_reserve: 0.0,
+            ..settings
+        };
+        assert_eq!(none.bounds(0).max_waiting, Some(4));
     }
 
     #[test]
@@ -568,13 +697,13 @@ mod tests {
             },
             ..Default::default()
         };
-        assert!(!saturated(&row, &settings), "idle");
+        assert!(!saturated(&row, &settings.bounds(0)), "idle");
         row.inflight = 2;
         row.waiting_first_byte = 2;
         row.queued_prefill_tokens = 500;
-        assert!(!saturated(&row, &settings), "50 ms of work ahead");
+        assert!(!saturated(&row, &settings.bounds(0)), "50 ms of work ahead");
         row.queued_prefill_tokens = 2_000;
-        assert!(saturated(&row, &settings), "200 ms of work ahead");
+        assert!(saturated(&row, &settings.bounds(0)), "200 ms of work ahead");
     }
 
     #[test]
@@ -589,9 +718,12 @@ mod tests {
             queued_prefill_tokens: 100,
             ..Default::default()
         };
-        assert!(!saturated(&row, &settings));
+        assert!(!saturated(&row, &settings.bounds(0)));
         row.stalled_secs = 0.5;
-        assert!(saturated(&row, &settings), "no first byte for 0.5 s");
+        assert!(
+            saturated(&row, &settings.bounds(0)),
+            "no first byte for 0.5 s"
+        );
     }
 
     fn ticket(priority: i32, tenant: u64) -> Ticket {
@@ -618,7 +750,7 @@ mod tests {
             std::mem::forget(_rx);
             ids.insert(q.push(&ticket(p, t), tx), label);
         }
-        let order: Vec<&str> = std::iter::from_fn(|| q.next(|_| true))
+        let order: Vec<&str> = std::iter::from_fn(|| q.next(|_, _| true))
             .map(|(_, w)| ids[&w.id])
             .collect();
         assert_eq!(order, ["hi", "a1", "b1", "c1", "a2", "a3"]);
@@ -642,9 +774,9 @@ mod tests {
             model: Some(Arc::from("free")),
         };
         let id = q.push(&free, tx);
-        let (_, w) = q.next(|m| m == Some("free")).unwrap();
+        let (_, w) = q.next(|m, _| m == Some("free")).unwrap();
         assert_eq!(w.id, id);
-        assert!(q.next(|m| m == Some("free")).is_none());
+        assert!(q.next(|m, _| m == Some("free")).is_none());
         assert!(q.remove(&busy, 1));
         assert!(q.levels.is_empty());
     }
@@ -737,6 +869,33 @@ mod tests {
         for w in waiters {
             assert!(w.await.unwrap().is_ok());
         }
+    }
+
+    #[tokio::test]
+    async fn a_direct_admission_holds_the_transit_place_until_counted() {
+        let (a, full) = queue(10);
+        full.store(false, Relaxed);
+        let first = a.admit(ticket(0, 1)).await.unwrap();
+        // The first is not counted against a backend yet: the fleet's room it saw is not
+        // known to be left for the second, which waits for its turn.
+        let second = tokio::spawn({
+            let a = a.clone();
+            async move { a.admit(ticket(0, 2)).await.map(|_| ()) }
+        });
+        while a.depth() == 0 {
+            tokio::task::yield_now().await;
+        }
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert!(!second.is_finished(), "admitted beside one in transit");
+        // Counted now, and the fleet full with it: the second stays queued.
+        full.store(true, Relaxed);
+        drop(first);
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert!(!second.is_finished(), "admitted into a saturated fleet");
+        full.store(false, Relaxed);
+        a.wake.notify_one();
+        assert_eq!(second.await.unwrap(), Ok(()));
+        assert_eq!(a.in_transit.load(Relaxed), 0);
     }
 
     #[tokio::test]

@@ -104,6 +104,11 @@ pub struct Backend {
     pub waiting_first_byte_at_report: AtomicU64,
     /// `vllm:kv_cache_usage_perc` as f64 bits.
     pub kv_usage_bits: AtomicU64,
+    /// Prompt tokens of this router's requests in flight there that it had to compute: KV
+    /// blocks they hold until they end (their shared prefixes already held are not counted).
+    kv_tokens: AtomicU64,
+    /// `kv_tokens` when `kv_usage_bits` was read: what of the reported usage was ours then.
+    kv_tokens_at_report: AtomicU64,
     /// Index entries held for this backend, as this router's notifies count them.
     pub entries: AtomicU64,
     /// Index capacity in chunks (configured, or derived from the backend's KV cache).
@@ -179,6 +184,8 @@ impl Backend {
             reported_waiting: AtomicU64::new(0),
             waiting_first_byte_at_report: AtomicU64::new(0),
             kv_usage_bits: AtomicU64::new(0),
+            kv_tokens: AtomicU64::new(0),
+            kv_tokens_at_report: AtomicU64::new(0),
             entries: AtomicU64::new(0),
             routed: AtomicU64::new(0),
             qps_bits: AtomicU64::new(0),
@@ -279,6 +286,27 @@ impl Backend {
     pub fn kv_usage(&self) -> f64 {
         f64::from_bits(self.kv_usage_bits.load(Relaxed))
     }
+
+    /// Records the backend's own KV-cache usage (0..1), with how much of it was ours.
+    pub fn report_kv_usage(&self, usage: f64) {
+        self.kv_tokens_at_report
+            .store(self.kv_tokens.load(Relaxed), Relaxed);
+        self.kv_usage_bits.store(usage.to_bits(), Relaxed);
+    }
+
+    /// KV-cache tokens in use there now: the others' as of the last scrape (the reported
+    /// usage less ours at that time) plus ours counted live, as for waiting requests: the
+    /// scrape is up to an interval old, and a burst sent since would not show in it. 0 while
+    /// the cache's size is unknown.
+    fn kv_tokens_in_use(&self) -> u64 {
+        let cache = self.cache_tokens.load(Relaxed);
+        let reported = (self.kv_usage().clamp(0.0, 1.0) * cache as f64) as u64;
+        let foreign = reported.saturating_sub(self.kv_tokens_at_report.load(Relaxed));
+        if cache == 0 {
+            return 0;
+        }
+        foreign + self.kv_tokens.load(Relaxed)
+    }
 }
 
 impl std::fmt::Debug for Backend {
@@ -339,6 +367,8 @@ impl Backend {
                 + self.remote.queued_prefill_tokens.load(Relaxed),
             foreign_waiting: self.foreign_waiting(),
             kv_usage: self.kv_usage(),
+            kv_tokens_in_use: self.kv_tokens_in_use(),
+            kv_cache_tokens: self.cache_tokens.load(Relaxed),
             prefill: self.prefill.line(),
             prefill_observations: self.prefill.observations(),
             stalled_secs: self.stalled_secs(),
@@ -387,6 +417,7 @@ impl InflightGuard {
             backend.note_progress();
         }
         backend.queued_prefill_tokens.fetch_add(uncached, Relaxed);
+        backend.kv_tokens.fetch_add(uncached, Relaxed);
         Self {
             backend,
             waiting_first_byte: true,
@@ -445,6 +476,7 @@ impl Drop for InflightGuard {
             self.leave_prefill_queue();
         }
         self.backend.inflight.fetch_sub(1, Relaxed);
+        self.backend.kv_tokens.fetch_sub(self.uncached, Relaxed);
         self.tell_load_eased();
     }
 }
@@ -564,6 +596,24 @@ mod tests {
             (b.row().waiting_first_byte, b.row().foreign_waiting),
             (1, 2)
         );
+    }
+
+    #[test]
+    fn kv_use_is_the_others_as_reported_plus_ours_live() {
+        let b = Arc::new(Backend::new(BackendSpec::new("http://a:1"), 10).unwrap());
+        let first = InflightGuard::new(b.clone(), 1_000);
+        assert_eq!(b.row().kv_tokens_in_use, 0, "cache size not known yet");
+        b.cache_tokens.store(10_000, Relaxed);
+        assert_eq!(b.row().kv_tokens_in_use, 1_000, "ours, before any report");
+        // 30 % in use when 1,000 tokens were ours: 2,000 are another router's.
+        b.report_kv_usage(0.3);
+        let second = InflightGuard::new(b.clone(), 500);
+        assert_eq!(b.row().kv_tokens_in_use, 3_500);
+        drop(first);
+        drop(second);
+        assert_eq!(b.row().kv_tokens_in_use, 2_000, "ours freed at once");
+        b.report_kv_usage(0.0);
+        assert_eq!(b.row().kv_tokens_in_use, 0);
     }
 
     #[test]

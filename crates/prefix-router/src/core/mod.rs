@@ -212,12 +212,12 @@ impl Core {
 
     /// Whether every healthy backend serving `model` is saturated (the gateway queue holds
     /// its requests then). With none healthy, no: the request is refused at once instead.
-    pub fn saturated(&self, model: Option<&str>, settings: &admission::AdmissionSettings) -> bool {
+    pub fn saturated(&self, model: Option<&str>, bounds: &admission::Bounds) -> bool {
         let candidates = self.candidates(model).backends;
         !candidates.is_empty()
             && candidates
                 .iter()
-                .all(|b| admission::saturated(&b.row(), settings))
+                .all(|b| admission::saturated(&b.row(), bounds))
     }
 
     /// Orders `candidates` (not empty) for a request by the configured policy, asking the

@@ -245,6 +245,13 @@ pub struct QueueArgs {
     /// `vllm:num_requests_waiting` reported beyond ours at the last scrape). Turns the queue on.
     #[arg(long, env = "PREFIX_ROUTER_QUEUE_WHEN_WAITING")]
     pub queue_when_waiting: Option<u64>,
+    /// Also hold them while every backend's KV cache is at least this full (a share, 0 to 1):
+    /// vLLM makes a request wait for blocks when its cache is full, in arrival order. The use
+    /// is the backend's `vllm:kv_cache_usage_perc` at the last scrape, less this router's
+    /// requests then, plus this router's requests in flight now (their uncached prompt
+    /// tokens), of its `num_gpu_blocks × block_size`. Turns the queue on.
+    #[arg(long, env = "PREFIX_ROUTER_QUEUE_WHEN_KV_USAGE", value_parser = share)]
+    pub queue_when_kv_usage: Option<f64>,
     /// Requests held at once; one more gets 429 with `Retry-After`.
     #[arg(long, env = "PREFIX_ROUTER_MAX_QUEUED", default_value_t = 1000)]
     pub max_queued: usize,
@@ -263,6 +270,21 @@ pub struct QueueArgs {
     /// body.
     #[arg(long, env = "PREFIX_ROUTER_FORWARD_PRIORITY")]
     pub forward_priority: bool,
+    /// The share (0 to 1) of the queue's bounds kept for requests above the default
+    /// priority: requests of priority 0 or below are held once every backend reaches
+    /// `1 - share` of `--queue-when-waiting` (at least one waiting), of `--queue-when-kv-usage`
+    /// or of `--max-queue-wait`,
+    /// so a high-priority request finds room, and few waiting ahead of it, when it comes.
+    #[arg(long, env = "PREFIX_ROUTER_QUEUE_PRIORITY_RESERVE", default_value_t = 0.0, value_parser = share)]
+    pub queue_priority_reserve: f64,
+}
+
+/// A share between 0 and 1.
+fn share(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if (0.0..=1.0).contains(&x) => Ok(x),
+        _ => Err(format!("`{s}` is not a share between 0 and 1")),
+    }
 }
 
 impl QueueArgs {
@@ -270,8 +292,10 @@ impl QueueArgs {
         crate::core::admission::AdmissionSettings {
             max_wait: self.max_queue_wait,
             max_waiting: self.queue_when_waiting,
+            max_kv_usage: self.queue_when_kv_usage,
             max_queued: self.max_queued,
             timeout: self.queue_timeout,
+            priority_reserve: self.queue_priority_reserve,
         }
     }
 }

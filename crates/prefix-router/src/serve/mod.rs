@@ -211,9 +211,9 @@ pub(crate) async fn gateway_with<T>(
         let weak = Arc::downgrade(&core);
         Admission::start(
             queue,
-            Box::new(move |model, settings| {
+            Box::new(move |model, bounds| {
                 weak.upgrade()
-                    .is_some_and(|core| core.saturated(model, settings))
+                    .is_some_and(|core| core.saturated(model, bounds))
             }),
             &mut registry,
         )

@@ -206,7 +206,7 @@ pub async fn scrape_backend(m: &Monitor, backend: &Arc<Backend>) {
     backend.report_waiting(waiting);
     backend.reported_queue.store(running + waiting, Relaxed);
     if let Some(kv) = r.kv_usage {
-        backend.kv_usage_bits.store(kv.to_bits(), Relaxed);
+        backend.report_kv_usage(kv);
     }
     if let (Some(block_size), Some(blocks)) = (r.block_size, r.num_gpu_blocks) {
         backend.cache_tokens.store(blocks * block_size, Relaxed);

@@ -113,6 +113,10 @@ pub struct CandidateRow {
     pub foreign_waiting: u64,
     /// Its KV cache's usage, 0..1, as it reports it.
     pub kv_usage: f64,
+    /// KV-cache tokens in use there now (the others' as last reported, ours live)...
+    pub kv_tokens_in_use: u64,
+    /// ... of this many (0 while unknown).
+    pub kv_cache_tokens: u64,
     /// Its prefill speed as learned from its TTFTs...
     pub prefill: crate::core::prefill::PrefillLine,
     /// ... from this many of them.
