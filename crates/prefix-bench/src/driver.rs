@@ -132,7 +132,7 @@ impl Shared {
                 headers: headers.clone(),
             });
         }
-        let (base, lease) = match &self.target {
+        let (base, mut lease) = match &self.target {
             Target::Urls { urls, next } => {
                 (urls[next.fetch_add(1, Relaxed) % urls.len()].clone(), None)
             }
@@ -148,6 +148,11 @@ impl Shared {
             body,
             headers,
             start,
+            || {
+                if let Some(l) = &mut lease {
+                    l.first_byte();
+                }
+            },
         )
         .await;
         drop(lease);
@@ -213,7 +218,7 @@ pub async fn exchange(
     body: &Value,
     start: Instant,
 ) -> Result<(Sample, String), String> {
-    exchange_with(client, url, body, &BTreeMap::new(), start).await
+    exchange_with(client, url, body, &BTreeMap::new(), start, || {}).await
 }
 
 /// [`exchange`] with request headers.
@@ -223,6 +228,7 @@ pub async fn exchange_with(
     body: &Value,
     headers: &BTreeMap<String, String>,
     start: Instant,
+    mut on_first_byte: impl FnMut(),
 ) -> Result<(Sample, String), String> {
     let mut request = client.post(url).json(body);
     for (name, value) in headers {
@@ -242,6 +248,7 @@ pub async fn exchange_with(
         let chunk = chunk.map_err(|e| format!("the answer broke off: {e}"))?;
         if ttft.is_none() && !chunk.is_empty() {
             ttft = Some(start.elapsed().as_secs_f64());
+            on_first_byte();
         }
         bytes.extend_from_slice(&chunk);
     }

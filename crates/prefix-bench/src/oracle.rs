@@ -157,20 +157,34 @@ pub struct Oracle {
     view: View,
     sims: Vec<String>,
     inflight: Vec<AtomicU64>,
+    /// Of those, the ones without a first byte yet.
+    waiting_first_byte: Vec<AtomicU64>,
     turn: AtomicU64,
     pub cache_threshold: f64,
     pub balance_abs: u64,
     pub balance_rel: f64,
 }
 
-/// Counts a request in flight at one sim until dropped.
+/// Counts a request in flight at one sim until dropped, and waiting for its first byte until
+/// [`Lease::first_byte`].
 pub struct Lease {
     oracle: Arc<Oracle>,
     index: usize,
+    waiting_first_byte: bool,
+}
+
+impl Lease {
+    /// The answer's first byte came.
+    pub fn first_byte(&mut self) {
+        if std::mem::take(&mut self.waiting_first_byte) {
+            self.oracle.waiting_first_byte[self.index].fetch_sub(1, Relaxed);
+        }
+    }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        self.first_byte();
         self.oracle.inflight[self.index].fetch_sub(1, Relaxed);
     }
 }
@@ -187,6 +201,7 @@ impl Oracle {
         Arc::new(Self {
             view: events.map_or(View::Sims, View::Events),
             inflight: sims.iter().map(|_| AtomicU64::new(0)).collect(),
+            waiting_first_byte: sims.iter().map(|_| AtomicU64::new(0)).collect(),
             sims,
             turn: AtomicU64::new(0),
             cache_threshold,
@@ -238,15 +253,19 @@ impl Oracle {
             self.inflight[best].load(Relaxed),
             self.inflight[least].load(Relaxed),
         );
-        // The router's guard (prefix_load's `guard_margin`): the margin is 1.5 times the
-        // fleet's mean load, at least 1 and at most balance_abs.
+        // The router's guard (prefix_load's `guard_margin` and `still_to_prefill`): the
+        // margin is 1.5 times the fleet's mean load, at least 1 and at most balance_abs, and
+        // never below the best server's requests still waiting for a first byte (at most
+        // balance_abs).
         let mean = self
             .inflight
             .iter()
             .map(|l| l.load(Relaxed) as f64)
             .sum::<f64>()
             / n.max(1) as f64;
-        let margin = (1.5 * mean).clamp(1.0, (self.balance_abs as f64).max(1.0));
+        let cap = (self.balance_abs as f64).max(1.0);
+        let still_to_prefill = (self.waiting_first_byte[best].load(Relaxed) as f64).min(cap);
+        let margin = (1.5 * mean).clamp(1.0, cap).max(still_to_prefill);
         let overloaded = chosen_load as f64 > least_load as f64 + margin
             && chosen_load as f64 > least_load as f64 * self.balance_rel;
         let index = if cached(best) == 0 || ratio < self.cache_threshold || overloaded {
@@ -255,11 +274,13 @@ impl Oracle {
             best
         };
         self.inflight[index].fetch_add(1, Relaxed);
+        self.waiting_first_byte[index].fetch_add(1, Relaxed);
         (
             self.sims[index].clone(),
             Lease {
                 oracle: self.clone(),
                 index,
+                waiting_first_byte: true,
             },
         )
     }

@@ -78,6 +78,10 @@ pub struct ClassFigures {
     /// Requests that ended while requests were still being sent, per second of that time:
     /// the class's share of the fleet while everyone competed for it.
     pub contended_rps: f64,
+    /// The same over the second half of that time only: a queue that builds under overload
+    /// shares the fleet by its rules once it is full, while in the first seconds requests
+    /// pass in proportion to what each sends.
+    pub steady_rps: f64,
 }
 
 /// The classes a sample belongs to: its priority, and its tenant within that priority.
@@ -104,10 +108,13 @@ fn classes(samples: &[Sample]) -> Vec<ClassFigures> {
                 .filter(|s| class_names(s).any(|c| c == class))
                 .collect();
             let ttft: Vec<f64> = of.iter().filter(|s| s.ok).map(|s| s.ttft * 1e3).collect();
-            let contended = of
-                .iter()
-                .filter(|s| s.ok && s.sent_at + s.e2e <= window)
-                .count();
+            let ended_within = |from: f64| {
+                of.iter()
+                    .filter(|s| s.ok && (from..=window).contains(&(s.sent_at + s.e2e)))
+                    .count()
+            };
+            let contended = ended_within(0.0);
+            let steady = ended_within(window / 2.0);
             ClassFigures {
                 requests: of.len(),
                 errors: of.iter().filter(|s| !s.ok).count(),
@@ -115,6 +122,7 @@ fn classes(samples: &[Sample]) -> Vec<ClassFigures> {
                 ttft_p50_ms: percentile(&ttft, 50.0),
                 ttft_p99_ms: percentile(&ttft, 99.0),
                 contended_rps: contended as f64 / window.max(1e-9),
+                steady_rps: steady as f64 / (window / 2.0).max(1e-9),
                 class,
             }
         })
@@ -129,12 +137,12 @@ pub fn classes_markdown(results: &[SystemResult]) -> String {
             continue;
         };
         if out.is_empty() {
-            out.push_str("\n| system | class | requests | errors | TTFT mean ms | TTFT p50 ms | TTFT p99 ms | contended req/s |\n|---|---|---|---|---|---|---|---|\n");
+            out.push_str("\n| system | class | requests | errors | TTFT mean ms | TTFT p50 ms | TTFT p99 ms | contended req/s | 2nd half req/s |\n|---|---|---|---|---|---|---|---|---|\n");
         }
         for c in &f.classes {
             let _ = writeln!(
                 out,
-                "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.2} |",
+                "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} |",
                 r.name,
                 c.class,
                 c.requests,
@@ -142,7 +150,8 @@ pub fn classes_markdown(results: &[SystemResult]) -> String {
                 c.ttft_mean_ms,
                 c.ttft_p50_ms,
                 c.ttft_p99_ms,
-                c.contended_rps
+                c.contended_rps,
+                c.steady_rps
             );
         }
     }
@@ -448,6 +457,9 @@ mod tests {
         assert_eq!(c[0].requests, 3);
         assert_eq!(c[3].ttft_mean_ms, 100.0);
         assert_eq!(c[2].contended_rps, 1.0 / 4.0);
+        // Of b's, the one that ended at 2.3 s is in the second half of the 4 s.
+        assert_eq!(c[2].steady_rps, 1.0 / 2.0);
+        assert_eq!(c[1].steady_rps, 0.0, "a's ended at 1.5 s");
         assert!(classes_markdown(&[SystemResult {
             name: "x".into(),
             figures: Some(Figures {
