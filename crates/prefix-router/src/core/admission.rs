@@ -32,6 +32,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use tokio::sync::{oneshot, Notify};
 
+use super::backend::Backend;
 use super::policy::{predicted_ttft, ttft_of_work, CandidateRow};
 
 /// Priorities a request may have (`x-priority`, a tenant's class): a small range keeps the
@@ -119,6 +120,16 @@ pub fn saturated(row: &CandidateRow, bounds: &Bounds) -> bool {
         row.kv_cache_tokens > 0 && row.kv_tokens_in_use as f64 >= share * row.kv_cache_tokens as f64
     });
     waiting || slow || full
+}
+
+/// Leaves only the backends with room under `bounds`, if any has (else all: the room a
+/// request was let go for may have been taken meanwhile, and it is not held twice). A request
+/// the queue lets go because some backend has room must go to one that has: the policy alone
+/// may prefer a saturated one.
+pub fn keep_those_with_room(backends: &mut Vec<Arc<Backend>>, bounds: &Bounds) {
+    if backends.iter().any(|b| !saturated(&b.row(), bounds)) {
+        backends.retain(|b| !saturated(&b.row(), bounds));
+    }
 }
 
 /// Who asks, and for what.
@@ -441,6 +452,11 @@ impl Admission {
         }
     }
 
+    /// The bounds a request of `priority` is held by.
+    pub fn bounds(&self, priority: i32) -> Bounds {
+        self.settings.bounds(priority)
+    }
+
     /// Requests waiting now.
     pub fn depth(&self) -> usize {
         self.depth.load(Relaxed)
@@ -649,6 +665,31 @@ mod tests {
         assert!(!saturated(&row, &settings.bounds(1)), "85 % below 90 %");
         row.kv_tokens_in_use = 15_000;
         assert!(saturated(&row, &settings.bounds(1)));
+    }
+
+    #[test]
+    fn a_released_request_may_go_only_where_there_is_room() {
+        use crate::core::backend::{BackendSpec, InflightGuard};
+        let bounds = Bounds {
+            max_waiting: Some(2),
+            ..Bounds::default()
+        };
+        let backend = |url: &str| Arc::new(Backend::new(BackendSpec::new(url), 10).unwrap());
+        let (full, free) = (backend("http://a:1"), backend("http://b:1"));
+        let _waiting: Vec<InflightGuard> = (0..2)
+            .map(|_| InflightGuard::new(full.clone(), 100))
+            .collect();
+        let mut backends = vec![full.clone(), free.clone()];
+        keep_those_with_room(&mut backends, &bounds);
+        assert_eq!(backends.len(), 1);
+        assert!(Arc::ptr_eq(&backends[0], &free));
+        // None has room (taken since the release): all stay, the request is not held twice.
+        let _more: Vec<InflightGuard> = (0..2)
+            .map(|_| InflightGuard::new(free.clone(), 100))
+            .collect();
+        let mut backends = vec![full, free];
+        keep_those_with_room(&mut backends, &bounds);
+        assert_eq!(backends.len(), 2);
     }
 
     #[test]
