@@ -43,6 +43,14 @@ pub struct RequestInput<'a> {
     pub prompt: Option<&'a PromptKey>,
     /// Its token ids exactly as vLLM computes them, when the router could (precise mode).
     pub tokens: Option<&'a [u32]>,
+    /// Let go by the gateway queue under these bounds: see [`admission::where_released_may_go`].
+    pub released_under: Option<&'a admission::Bounds>,
+}
+
+/// Keeps the items whose flag is set (`keep` is as long as `items`).
+fn retain_where<T>(items: &mut Vec<T>, keep: &[bool]) {
+    let mut flags = keep.iter();
+    items.retain(|_| flags.next().copied().unwrap_or(true));
 }
 
 /// The candidates for a model: the healthy backends serving it.
@@ -223,7 +231,11 @@ impl Core {
     /// Orders `candidates` (not empty) for a request by the configured policy, asking the
     /// match sources first when the policy uses matches: the token-block index for backends
     /// whose events are live, the string index for the others (both answer in tokens).
-    pub async fn pick(&self, candidates: Vec<Arc<Backend>>, input: RequestInput<'_>) -> Decision {
+    pub async fn pick(
+        &self,
+        mut candidates: Vec<Arc<Backend>>,
+        input: RequestInput<'_>,
+    ) -> Decision {
         let mut rows: Vec<CandidateRow> = candidates.iter().map(|b| b.row()).collect();
         let mut matches = MatchFacts::None;
         let mut sources: Vec<&'static str> = vec!["none"; rows.len()];
@@ -267,6 +279,14 @@ impl Core {
                 _ => MatchFacts::None,
             };
             block_names = precise.map(|(names, _)| names);
+        }
+        if let Some(keep) = input
+            .released_under
+            .and_then(|bounds| admission::where_released_may_go(&rows, bounds))
+        {
+            retain_where(&mut candidates, &keep);
+            retain_where(&mut rows, &keep);
+            retain_where(&mut sources, &keep);
         }
         let facts = RequestFacts {
             session: input.session,

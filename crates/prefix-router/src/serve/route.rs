@@ -208,16 +208,7 @@ pub(crate) async fn place(
         }
         None => Permit::free(),
     };
-    // Let go because some backend has room: it goes to one that has. The policy alone would
-    // send it where it predicts the lowest cost, room or not: on real vLLM a learned line
-    // that favoured one server sent it 60 released requests in a row (30 waiting in its own
-    // queue) while the other had the room they were released for.
-    if let Some(admission) = &gw.admission {
-        crate::core::admission::keep_those_with_room(
-            &mut candidates.backends,
-            &admission.bounds(priority),
-        );
-    }
+    let released_under = gw.admission.as_ref().map(|a| a.bounds(priority));
     let prompt = (gw.core.uses_prefixes() && endpoint != Endpoint::Other)
         .then(|| gw.core.strings.key(&routing.text));
     let tokens = if gw.core.events.is_some() && gw.core.uses_prefixes() {
@@ -238,6 +229,7 @@ pub(crate) async fn place(
                     session,
                     prompt: prompt.as_ref(),
                     tokens: tokens.as_deref(),
+                    released_under: released_under.as_ref(),
                 },
             )
             .await
