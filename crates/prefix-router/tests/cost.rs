@@ -79,6 +79,16 @@ async fn the_cost_policy_learns_each_servers_speed_and_prefers_the_faster() {
         "learned {speeds:?} (served {served:?})"
     );
     assert!(speeds[0] < speeds[1], "learned {speeds:?}");
+    // Servers whose TTFTs follow their line exactly need little calibration.
+    let text = metrics_text(&url).await;
+    let calibrations: Vec<f64> = series(&text, "prefix_router_ttft_calibration")
+        .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+        .collect();
+    assert_eq!(calibrations.len(), 2, "{text}");
+    assert!(
+        calibrations.iter().all(|c| (0.7..1.4).contains(c)),
+        "{calibrations:?}"
+    );
     // Every streamed answer's TTFT is recorded against its prediction.
     assert_eq!(
         metric(&url, "prefix_router_ttft_prediction_ratio_count", "").await,

@@ -40,6 +40,7 @@ struct FleetGauges {
     queued_prefill: Family<BackendLabels, Gauge>,
     prefill_speed: Family<BackendLabels, Gauge<f64, AtomicU64>>,
     prefill_overhead: Family<BackendLabels, Gauge<f64, AtomicU64>>,
+    ttft_calibration: Family<BackendLabels, Gauge<f64, AtomicU64>>,
     // production-stack names
     current_qps: Family<ServerLabels, Gauge<f64, AtomicU64>>,
     running: Family<ServerLabels, Gauge>,
@@ -63,6 +64,7 @@ impl CoreMetrics {
                 queued_prefill: Family::default(),
                 prefill_speed: Family::default(),
                 prefill_overhead: Family::default(),
+                ttft_calibration: Family::default(),
                 current_qps: Family::default(),
                 running: Family::default(),
                 prefill: Family::default(),
@@ -127,6 +129,11 @@ impl CoreMetrics {
             f.prefill_overhead.clone(),
         );
         r.register(
+            "prefix_router_ttft_calibration",
+            "The factor on the backend's least-squares prefill line that makes its TTFT predictions a median (below 1: most TTFTs come sooner than their mean), by backend",
+            f.ttft_calibration.clone(),
+        );
+        r.register(
             "vllm:current_qps",
             "Requests per second over the last metrics interval (production-stack name)",
             f.current_qps.clone(),
@@ -173,6 +180,7 @@ impl CoreMetrics {
         f.queued_prefill.clear();
         f.prefill_speed.clear();
         f.prefill_overhead.clear();
+        f.ttft_calibration.clear();
         f.current_qps.clear();
         for b in backends {
             let label = Label(b.label.clone());
@@ -206,6 +214,9 @@ impl CoreMetrics {
             f.prefill_overhead
                 .get_or_create(&backend)
                 .set(line.overhead_s);
+            f.ttft_calibration
+                .get_or_create(&backend)
+                .set(b.prefill.calibration());
             let server = ServerLabels { server: label };
             f.running.get_or_create(&server).set(inflight);
             f.prefill.get_or_create(&server).set(prefill);

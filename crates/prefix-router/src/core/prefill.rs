@@ -7,6 +7,12 @@
 //! fitted by exponentially weighted least squares over the recent streamed requests, held near
 //! a prior until the data say otherwise, and robust to stalls: an observation far above the
 //! line counts only as a bounded amount above it.
+//!
+//! A least-squares line predicts the mean TTFT, and under load TTFTs are skewed: a request waits
+//! for 0 to 1 engine step in progress, and a few wait behind a long batch, so most come sooner
+//! than the mean. The line is therefore scaled by a calibration factor that tracks the median of
+//! observed ÷ predicted (the whole prediction: queue, stall and KV pressure included), so the
+//! prediction is as often too high as too low.
 
 use parking_lot::Mutex;
 
@@ -24,6 +30,12 @@ const PRIOR_SECONDS_PER_TOKEN: f64 = 1e-4;
 const PRIOR_SPAN: f64 = 2048.0;
 /// An observation counts as at most this many times the prediction (plus 50 ms).
 const CLIP_FACTOR: f64 = 3.0;
+/// The calibration moves by this fraction toward each observation (up if the TTFT came later
+/// than predicted, down if sooner): a stochastic median, settling within a few dozen requests
+/// and jittering by about this much once there.
+const CALIBRATION_STEP: f64 = 0.03;
+/// The calibration corrects a skew, not a wrong line: it stays within these factors.
+const CALIBRATION_RANGE: (f64, f64) = (0.25, 4.0);
 
 /// A fitted line.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -48,8 +60,17 @@ impl Default for PrefillLine {
     }
 }
 
-/// Exponentially weighted sums of (work, ttft).
-#[derive(Default)]
+impl PrefillLine {
+    fn scaled(self, factor: f64) -> Self {
+        Self {
+            overhead_s: self.overhead_s * factor,
+            seconds_per_token: self.seconds_per_token * factor,
+        }
+    }
+}
+
+/// Exponentially weighted sums of (work, ttft), the line fitted through them, and the
+/// calibration applied to it.
 struct Sums {
     w: f64,
     x: f64,
@@ -57,12 +78,29 @@ struct Sums {
     xx: f64,
     xy: f64,
     observations: u64,
+    fitted: PrefillLine,
+    calibration: f64,
+}
+
+impl Default for Sums {
+    fn default() -> Self {
+        Self {
+            w: 0.0,
+            x: 0.0,
+            y: 0.0,
+            xx: 0.0,
+            xy: 0.0,
+            observations: 0,
+            fitted: PrefillLine::default(),
+            calibration: 1.0,
+        }
+    }
 }
 
 /// One backend's learned prefill line.
 pub struct PrefillModel {
     sums: Mutex<Sums>,
-    /// The current fit, read on every request without the lock.
+    /// The current calibrated fit, read on every request without the lock.
     line: arc_swap::ArcSwap<PrefillLine>,
 }
 
@@ -76,7 +114,7 @@ impl Default for PrefillModel {
 }
 
 impl PrefillModel {
-    /// The current line.
+    /// The current line, calibrated.
     pub fn line(&self) -> PrefillLine {
         **self.line.load()
     }
@@ -92,16 +130,53 @@ impl PrefillModel {
             return;
         }
         let x = work as f64;
-        let predicted = self.line().ttft(work);
-        let y = ttft.min(predicted * CLIP_FACTOR + 0.05);
         let mut s = self.sums.lock();
+        let y = ttft.min(s.fitted.ttft(work) * CLIP_FACTOR + 0.05);
         s.w = s.w * DECAY + 1.0;
         s.x = s.x * DECAY + x;
         s.y = s.y * DECAY + y;
         s.xx = s.xx * DECAY + x * x;
         s.xy = s.xy * DECAY + x * y;
         s.observations += 1;
-        let line = fit(&s);
+        s.fitted = fit(&s);
+        self.publish(&s);
+    }
+
+    /// A streamed request with `work` tokens to compute first answered after `ttft` seconds:
+    /// the calibration moves toward the median of observed ÷ predicted, then the line learns.
+    /// `predict` is the caller's prediction through a given line (its queue, stall and KV
+    /// terms included). It is asked with the line as it is *now*, not the one the request was
+    /// routed by: under load that one is a whole TTFT old, and every answer in flight would
+    /// push the calibration the same way long after the line had caught up.
+    pub fn learn(&self, work: u64, ttft: f64, predict: impl FnOnce(PrefillLine) -> f64) {
+        self.calibrate(predict(self.line()), ttft);
+        self.observe(work, ttft);
+    }
+
+    /// Moves the calibration one step toward `ttft` ÷ `predicted`.
+    fn calibrate(&self, predicted: f64, ttft: f64) {
+        if !(predicted > 0.0 && ttft > 0.0 && predicted.is_finite() && ttft.is_finite()) {
+            return;
+        }
+        let step = if ttft > predicted {
+            1.0 + CALIBRATION_STEP
+        } else if ttft < predicted {
+            1.0 / (1.0 + CALIBRATION_STEP)
+        } else {
+            return;
+        };
+        let mut s = self.sums.lock();
+        s.calibration = (s.calibration * step).clamp(CALIBRATION_RANGE.0, CALIBRATION_RANGE.1);
+        self.publish(&s);
+    }
+
+    /// The calibration factor (1: none; below 1, TTFTs mostly come sooner than the line's mean).
+    pub fn calibration(&self) -> f64 {
+        self.sums.lock().calibration
+    }
+
+    fn publish(&self, s: &Sums) {
+        let line = s.fitted.scaled(s.calibration);
         self.line.store(std::sync::Arc::new(line));
     }
 }
@@ -229,5 +304,70 @@ mod tests {
         }
         let line = model.line();
         assert!(line.ttft(2000) > 0.8 && line.ttft(2000) < 1.2, "{line:?}");
+    }
+
+    /// Feeds `model` one answered request, predicted through the bare line.
+    fn serve(model: &PrefillModel, work: u64, ttft: f64) {
+        model.learn(work, ttft, |line| line.ttft(work));
+    }
+
+    #[test]
+    fn skewed_ttfts_are_predicted_at_their_median() {
+        // As on a saturated CPU vLLM behind the gateway queue: the same work every time, most
+        // first bytes after the step in progress (45-55 ms), two in five after a long batch
+        // (300 ms). The mean is ~150 ms; the median between 45 and 55.
+        let model = PrefillModel::default();
+        for i in 0..400u64 {
+            let ttft = if i % 5 >= 3 {
+                0.3
+            } else {
+                0.045 + (i % 3) as f64 * 0.005
+            };
+            serve(&model, 4900, ttft);
+        }
+        let predicted = model.line().ttft(4900);
+        assert!((0.045..0.06).contains(&predicted), "{predicted}");
+        assert!(model.calibration() < 0.7, "{}", model.calibration());
+    }
+
+    #[test]
+    fn the_calibration_leaves_a_right_line_alone_and_stays_bounded() {
+        let model = PrefillModel::default();
+        for i in 0..300u64 {
+            let work = 200 + (i * 131) % 2000;
+            serve(&model, work, 0.01 + work as f64 / 20_000.0);
+        }
+        assert!(
+            (model.calibration() - 1.0).abs() < 0.1,
+            "{}",
+            model.calibration()
+        );
+        for _ in 0..1000 {
+            model.learn(1000, 100.0, |_| 0.01);
+        }
+        assert_eq!(model.calibration(), CALIBRATION_RANGE.1);
+        model.learn(1000, 1.0, |_| f64::NAN);
+        model.learn(1000, 1.0, |_| 0.0);
+        assert_eq!(model.calibration(), CALIBRATION_RANGE.1);
+    }
+
+    #[test]
+    fn answers_in_flight_during_a_slowdown_do_not_wind_up_the_calibration() {
+        // A backend learned at 5,000 tokens/s (1,000 tokens: 0.2 s) turns twice as slow, and
+        // 200 answers arrive before any request routed after the change: each was routed by
+        // the old line, so each came 2x later than it was predicted when sent. Judged by that
+        // stale prediction the calibration would climb 3 % per answer, to its bound (4x).
+        let model = PrefillModel::default();
+        for _ in 0..200 {
+            serve(&model, 1000, 0.2);
+        }
+        let routed_by = model.line();
+        for _ in 0..200 {
+            model.learn(1000, 0.4, |line| line.ttft(1000));
+        }
+        let predicted = model.line().ttft(1000);
+        assert!((predicted - 0.4).abs() < 0.4 * 0.15, "{predicted}");
+        assert!(model.calibration() < 1.5, "{}", model.calibration());
+        assert!((routed_by.ttft(1000) - 0.2).abs() < 0.02, "{routed_by:?}");
     }
 }

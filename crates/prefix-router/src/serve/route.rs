@@ -18,6 +18,7 @@ use crate::api_error::ApiError;
 use crate::core::admission::{Permit, Refused, Ticket};
 use crate::core::backend::{Backend, InflightGuard};
 use crate::core::matches::PromptKey;
+use crate::core::policy::{prefill_work, ttft_after_queue, CandidateRow};
 use crate::core::RequestInput;
 use crate::json_body::read_body;
 use crate::tenants::{Limited, Tenant, TenantGuard};
@@ -501,8 +502,8 @@ pub(crate) async fn begin_attempt(
     drop(permit.take());
     if attempt.stream {
         // Its TTFT teaches the backend's prefill line, and says how right the line was.
-        let work = crate::core::policy::prefill_work(&row, uncached);
-        let predicted = crate::core::policy::ttft_after_queue(&row, work, uncached);
+        let work = prefill_work(&row, uncached);
+        let predicted = ttft_after_queue(&row, work, uncached);
         let (gw2, b2) = (gw.clone(), backend.clone());
         let decoding = row.inflight.saturating_sub(row.waiting_first_byte);
         let span = attempt.span.cloned();
@@ -513,11 +514,21 @@ pub(crate) async fn begin_attempt(
             }
             tracing::debug!(
                 target: "prefix_router::ttft",
-                backend = %b2.url(), work, uncached, decoding, predicted, ttft,
+                backend = %b2.url(), work, uncached, decoding, kv_usage = row.kv_usage,
+                stalled_secs = row.stalled_secs, predicted, ttft,
                 "first byte"
             );
-            b2.prefill.observe(work, ttft);
             gw2.metrics.observe_ttft(&b2, ttft, predicted);
+            b2.prefill.learn(work, ttft, |line| {
+                ttft_after_queue(
+                    &CandidateRow {
+                        prefill: line,
+                        ..row
+                    },
+                    work,
+                    uncached,
+                )
+            });
         }));
     }
     backend.routed.fetch_add(1, Relaxed);
