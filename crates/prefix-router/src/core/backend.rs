@@ -300,11 +300,11 @@ impl Backend {
     /// the cache's size is unknown.
     fn kv_tokens_in_use(&self) -> u64 {
         let cache = self.cache_tokens.load(Relaxed);
-        let reported = (self.kv_usage().clamp(0.0, 1.0) * cache as f64) as u64;
-        let foreign = reported.saturating_sub(self.kv_tokens_at_report.load(Relaxed));
         if cache == 0 {
             return 0;
         }
+        let reported = (self.kv_usage().clamp(0.0, 1.0) * cache as f64) as u64;
+        let foreign = reported.saturating_sub(self.kv_tokens_at_report.load(Relaxed));
         foreign + self.kv_tokens.load(Relaxed)
     }
 }
