@@ -124,12 +124,12 @@ pub fn saturated(row: &CandidateRow, bounds: &Bounds) -> bool {
 /// Which candidates a request the queue let go may be sent to: those with room under
 /// `bounds`, and those holding more of its prompt than any of those (a cache hit there may
 /// still be cheaper than a wait elsewhere, and the policy weighs the two; a match every
-/// backend has, such as a chat template's opening, is no reason). None when every candidate may (all have
-/// room, or none has: the room it was let go for has been taken meanwhile). Without this, the
-/// policy sent requests let go for one backend's room wherever it predicted the lowest cost:
-/// on real vLLM a learned line that favoured one server sent it 60 in a row (30 waiting in its
-/// own queue) while the other had the room; restricting to backends with room alone lost the
-/// sims' shared-prefix hit rate (0.547 -> 0.265).
+/// backend has, such as a chat template's opening, is no reason). None when every candidate
+/// may (all have room, or none has: the room it was let go for has been taken meanwhile).
+/// Without this, the policy sent requests let go for one backend's room wherever it predicted
+/// the lowest cost: on real vLLM a learned line that favoured one server sent it 60 in a row
+/// (30 waiting in its own queue) while the other had the room; restricting to backends with
+/// room alone lost the sims' shared-prefix hit rate (0.547 -> 0.265).
 pub fn where_released_may_go(rows: &[CandidateRow], bounds: &Bounds) -> Option<Vec<bool>> {
     let room: Vec<bool> = rows.iter().map(|r| !saturated(r, bounds)).collect();
     if room.iter().all(|r| *r) || !room.iter().any(|r| *r) {

@@ -97,6 +97,40 @@ impl Default for Sums {
     }
 }
 
+impl Sums {
+    /// Adds one (work, ttft) point, clipped against the fitted line, and refits.
+    fn add(&mut self, work: u64, ttft: f64) {
+        if !ttft.is_finite() || ttft < 0.0 {
+            return;
+        }
+        let x = work as f64;
+        let y = ttft.min(self.fitted.ttft(work) * CLIP_FACTOR + 0.05);
+        self.w = self.w * DECAY + 1.0;
+        self.x = self.x * DECAY + x;
+        self.y = self.y * DECAY + y;
+        self.xx = self.xx * DECAY + x * x;
+        self.xy = self.xy * DECAY + x * y;
+        self.observations += 1;
+        self.fitted = fit(self);
+    }
+
+    /// Moves the calibration one step toward `ttft` ÷ `predicted`.
+    fn calibrate(&mut self, predicted: f64, ttft: f64) {
+        if !(predicted > 0.0 && ttft > 0.0 && predicted.is_finite() && ttft.is_finite()) {
+            return;
+        }
+        let step = if ttft > predicted {
+            1.0 + CALIBRATION_STEP
+        } else if ttft < predicted {
+            1.0 / (1.0 + CALIBRATION_STEP)
+        } else {
+            return;
+        };
+        self.calibration =
+            (self.calibration * step).clamp(CALIBRATION_RANGE.0, CALIBRATION_RANGE.1);
+    }
+}
+
 /// One backend's learned prefill line.
 pub struct PrefillModel {
     sums: Mutex<Sums>,
@@ -126,19 +160,8 @@ impl PrefillModel {
 
     /// A streamed request with `work` tokens to compute first answered after `ttft` seconds.
     pub fn observe(&self, work: u64, ttft: f64) {
-        if !ttft.is_finite() || ttft < 0.0 {
-            return;
-        }
-        let x = work as f64;
         let mut s = self.sums.lock();
-        let y = ttft.min(s.fitted.ttft(work) * CLIP_FACTOR + 0.05);
-        s.w = s.w * DECAY + 1.0;
-        s.x = s.x * DECAY + x;
-        s.y = s.y * DECAY + y;
-        s.xx = s.xx * DECAY + x * x;
-        s.xy = s.xy * DECAY + x * y;
-        s.observations += 1;
-        s.fitted = fit(&s);
+        s.add(work, ttft);
         self.publish(&s);
     }
 
@@ -149,24 +172,10 @@ impl PrefillModel {
     /// routed by: under load that one is a whole TTFT old, and every answer in flight would
     /// push the calibration the same way long after the line had caught up.
     pub fn learn(&self, work: u64, ttft: f64, predict: impl FnOnce(PrefillLine) -> f64) {
-        self.calibrate(predict(self.line()), ttft);
-        self.observe(work, ttft);
-    }
-
-    /// Moves the calibration one step toward `ttft` ÷ `predicted`.
-    fn calibrate(&self, predicted: f64, ttft: f64) {
-        if !(predicted > 0.0 && ttft > 0.0 && predicted.is_finite() && ttft.is_finite()) {
-            return;
-        }
-        let step = if ttft > predicted {
-            1.0 + CALIBRATION_STEP
-        } else if ttft < predicted {
-            1.0 / (1.0 + CALIBRATION_STEP)
-        } else {
-            return;
-        };
+        let predicted = predict(self.line());
         let mut s = self.sums.lock();
-        s.calibration = (s.calibration * step).clamp(CALIBRATION_RANGE.0, CALIBRATION_RANGE.1);
+        s.calibrate(predicted, ttft);
+        s.add(work, ttft);
         self.publish(&s);
     }
 
