@@ -25,9 +25,13 @@ until [ -s "$work/fleet.json" ]; do
 done
 
 # The simulator as the CPU vLLM of scripts/vllm-model.py measures here: tokens, blocks and cache
-# as vLLM's; prefill ~14,000 tokens/s after ~25 ms; ~6 ms between output tokens; KV events as
-# vLLM publishes them (for prefix_load+events).
-sim_args="--model tiny-llama --tokenizer $work/model --kv-events --block-size 32 --kv-blocks 512 --max-model-len 8192 --prefill-tokens-per-s 14000 --prefill-overhead-ms 25 --itl-ms 6 --max-num-batched-tokens 2048"
+# as vLLM's; prefill rate, step overhead and time between output tokens measured on server 0 of
+# this fleet by scripts/vllm-speed.py (machines differ twofold); KV events as vLLM publishes them
+# (for prefix_load+events).
+url0=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["urls"][0])' "$work/fleet.json")
+speed=$(python3 scripts/vllm-speed.py --sim-args "$url0")
+echo "sim speed measured on $url0: $speed" | tee "$out/sim-speed.txt"
+sim_args="--model tiny-llama --tokenizer $work/model --kv-events --block-size 32 --kv-blocks 512 --max-model-len 8192 $speed --max-num-batched-tokens 2048"
 
 args_for() {
   case "$1" in
