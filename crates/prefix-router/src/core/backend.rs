@@ -353,7 +353,7 @@ impl Backend {
         self.progress_at.store(progress_clock(), Relaxed);
     }
 
-    /// What a policy sees of this backend now (matched tokens filled in later).
+    /// What a policy sees of this backend now (its match filled in later).
     pub fn row(&self) -> crate::core::policy::CandidateRow {
         crate::core::policy::CandidateRow {
             id: self.id,
@@ -372,6 +372,7 @@ impl Backend {
             prefill: self.prefill.line(),
             prefill_observations: self.prefill.observations(),
             stalled_secs: self.stalled_secs(),
+            matched_by: crate::core::policy::MatchedBy::None,
         }
     }
 }

@@ -23,7 +23,7 @@ use prometheus_client::registry::Registry;
 use backend::{Backend, BackendSpec, Fleet};
 use matches::{MatchSource, PromptKey, StringIndex};
 use metrics::{CoreMetrics, DecisionLabels};
-use policy::{CandidateRow, MatchFacts, Policy, PolicySettings, Reason, RequestFacts};
+use policy::{CandidateRow, MatchFacts, MatchedBy, Policy, PolicySettings, Reason, RequestFacts};
 
 /// Settings of the core's fleet handling.
 #[derive(Clone, Debug)]
@@ -238,7 +238,6 @@ impl Core {
     ) -> Decision {
         let mut rows: Vec<CandidateRow> = candidates.iter().map(|b| b.row()).collect();
         let mut matches = MatchFacts::None;
-        let mut sources: Vec<&'static str> = vec!["none"; rows.len()];
         let mut block_names = None;
         if self.policy.needs_matches() {
             let precise = match (&self.events, input.tokens) {
@@ -264,13 +263,13 @@ impl Core {
             for (i, row) in rows.iter_mut().enumerate() {
                 if let Some(held) = precise.as_ref().and_then(|(_, h)| h[i]) {
                     row.matched_tokens = held;
-                    sources[i] = "events";
+                    row.matched_by = MatchedBy::Events;
                 } else if let Some(Ok(m)) = &strings {
                     row.matched_tokens = m.held_tokens[i];
-                    sources[i] = "strings";
+                    row.matched_by = MatchedBy::Strings;
                 }
             }
-            let any_source = sources.iter().any(|s| *s != "none");
+            let any_source = rows.iter().any(|r| r.matched_by != MatchedBy::None);
             matches = match (total, strings.as_ref()) {
                 (Some(total_tokens), _) if any_source || total_tokens == 0 => {
                     MatchFacts::Known { total_tokens }
@@ -286,14 +285,13 @@ impl Core {
         {
             retain_where(&mut candidates, &keep);
             retain_where(&mut rows, &keep);
-            retain_where(&mut sources, &keep);
         }
         let facts = RequestFacts {
             session: input.session,
             matches,
             turn: self.turn.fetch_add(1, Relaxed),
         };
-        let mut decision = self.decide(&*self.policy, candidates, &rows, &facts, &sources);
+        let mut decision = self.decide(&*self.policy, candidates, &rows, &facts);
         decision.block_names = block_names;
         decision
     }
@@ -306,8 +304,7 @@ impl Core {
             matches: MatchFacts::None,
             turn: self.turn.fetch_add(1, Relaxed),
         };
-        let sources = vec!["none"; rows.len()];
-        self.decide(&self.least_loaded, candidates, &rows, &facts, &sources)
+        self.decide(&self.least_loaded, candidates, &rows, &facts)
     }
 
     fn decide(
@@ -316,11 +313,10 @@ impl Core {
         candidates: Vec<Arc<Backend>>,
         rows: &[CandidateRow],
         facts: &RequestFacts,
-        sources: &[&'static str],
     ) -> Decision {
         let choice = policy.choose(rows, facts);
         debug_assert_eq!(choice.order.len(), candidates.len());
-        let index = sources[choice.order[0]];
+        let index = rows[choice.order[0]].matched_by.label();
         self.metrics
             .decisions
             .get_or_create(&DecisionLabels {

@@ -124,6 +124,30 @@ pub struct CandidateRow {
     /// Seconds its waiting requests (ours) have gone without a first byte: a request sent
     /// there now waits at least about as long again, whatever its learned line says.
     pub stalled_secs: f64,
+    /// Which index answered `matched_tokens` for it.
+    pub matched_by: MatchedBy,
+}
+
+/// Which index a row's match came from (a decision's `index` label).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MatchedBy {
+    /// No index answered (the policy does not match, or both failed).
+    #[default]
+    None,
+    /// The string index.
+    Strings,
+    /// The backend's KV events (precise mode).
+    Events,
+}
+
+impl MatchedBy {
+    pub fn label(self) -> &'static str {
+        match self {
+            MatchedBy::None => "none",
+            MatchedBy::Strings => "strings",
+            MatchedBy::Events => "events",
+        }
+    }
 }
 
 /// What the match sources said about a request.
