@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 out="${1:-docs/bench/vllm}"
 servers="${VLLM_SERVERS:-2}"
 workloads="${WORKLOADS:-shared-prefix multi-turn prefix-repetition}"
-systems="round_robin,least_loaded,prefix_load,prefix_load+events,oracle,sglang-router,smg,vllm-router"
+systems="round_robin,least_loaded,prefix_load,prefix_load+events,cost,oracle,sglang-router,smg,vllm-router"
 cargo build --release --quiet
 exe=target/release/prefix-router
 work=target/vllm-fleet
@@ -24,15 +24,6 @@ until [ -s "$work/fleet.json" ]; do
   sleep 2
 done
 
-# The simulator as the CPU vLLM of scripts/vllm-model.py measures here: tokens, blocks and cache
-# as vLLM's; prefill rate, step overhead and time between output tokens measured on server 0 of
-# this fleet by scripts/vllm-speed.py (machines differ twofold); KV events as vLLM publishes them
-# (for prefix_load+events).
-url0=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["urls"][0])' "$work/fleet.json")
-speed=$(python3 scripts/vllm-speed.py --sim-args "$url0")
-echo "sim speed measured on $url0: $speed" | tee "$out/sim-speed.txt"
-sim_args="--model tiny-llama --tokenizer $work/model --kv-events --block-size 32 --kv-blocks 512 --max-model-len 8192 $speed --max-num-batched-tokens 2048"
-
 args_for() {
   case "$1" in
     shared-prefix) echo "--groups 16 --prompts-per-group 6 --system-len 400 --question-len 32 --output-len 16 --qps 1.5" ;;
@@ -42,15 +33,34 @@ args_for() {
   esac
 }
 
+# Every system on the real fleet first, each workload in turn.
 for w in $workloads; do
   # shellcheck disable=SC2046
   "$exe" bench compare --workload "$w" $(args_for "$w") --model tiny-llama --systems "$systems" \
     --overhead-requests 0 --throughput-secs 0 \
     --fleet vllm --vllm-fleet-file "$work/fleet.json" --out "$out/$w/vllm"
+done
+
+# Then the simulator as the CPU vLLM of scripts/vllm-model.py: tokens, blocks and cache as
+# vLLM's; KV events as vLLM publishes them (for prefix_load+events); the speed measured here
+# (machines differ threefold): step overhead and prefill rate fitted on the requests above that
+# met an idle fleet, the time between tokens probed on server 0 by scripts/vllm-speed.py, whose
+# idle-probe fit is kept beside it for comparison.
+url0=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["urls"][0])' "$work/fleet.json")
+probed=$(python3 scripts/vllm-speed.py --sim-args "$url0")
+request_dirs=()
+for w in $workloads; do request_dirs+=("$out/$w/vllm/requests"); done
+speed=$(python3 scripts/vllm-speed.py --sim-args "$url0" --from-requests "${request_dirs[@]}")
+{
+  echo "sim speed (the benchmark's requests that met an idle fleet; used): $speed"
+  echo "sim speed (one request at a time on $url0, for comparison): $probed"
+} | tee "$out/sim-speed.txt"
+sim_args="--model tiny-llama --tokenizer $work/model --kv-events --block-size 32 --kv-blocks 512 --max-model-len 8192 $speed --max-num-batched-tokens 2048"
+for w in $workloads; do
   # shellcheck disable=SC2046
   "$exe" bench compare --workload "$w" $(args_for "$w") --model tiny-llama --systems "$systems" \
     --overhead-requests 0 --throughput-secs 0 \
     --fleet sim --sim-servers "$servers" --sim-args "$sim_args" --out "$out/$w/sim"
-  rm -f "$out/$w"/*/*.log
+  rm -f "$out/$w"/*/*.log "$out/$w"/*/backends-*.toml
 done
 python3 scripts/fidelity.py "$out" | tee "$out/fidelity.md"

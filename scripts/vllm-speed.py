@@ -5,7 +5,16 @@ the simulator's speed to it (a step of `--prefill-overhead-ms` plus the tokens a
 
 Usage: python3 scripts/vllm-speed.py URL [MODEL]             the tables and the fitted flags
        python3 scripts/vllm-speed.py --sim-args URL [MODEL]  only the flags, for bench-vllm.sh
+       python3 scripts/vllm-speed.py --sim-args URL [MODEL] --from-requests DIR...
 (URL: a server of `bench vllm-fleet`, otherwise idle.)
+
+With `--from-requests`, the step overhead and prefill rate are fitted instead on the requests a
+`bench compare --fleet vllm` run recorded (its `requests/*.jsonl`) that met an idle fleet: no
+other request of their run in flight when they were sent. Those pay what the idle probe above
+does not see and the benchmark does (on a CPU fleet: the worker threads waking after a pause,
+the chat template, the router), so the sims start from the speed the benchmark meets; what
+happens when requests overlap (queueing, batching, contention) is left for the sims to predict.
+The time between tokens still comes from the probe.
 """
 
 import json
@@ -50,24 +59,28 @@ def prompt_of(words, seed):
 
 def prefill_times(base, model, words):
     """Median uncached and cached TTFT (s) of prompts of `words` words, and their tokens."""
-    uncached, cached = [], []
+    uncached, cached, counts = [], [], []
     for trial in range(TRIALS):
         prompt = prompt_of(words, words * 100 + trial)
         body = {"model": model, "prompt": prompt, "max_tokens": 1, "stream": True}
         uncached.append(post(base + "/v1/completions", body)[0])
         cached.append(post(base + "/v1/completions", body)[0])
-    count = json.loads(post(base + "/tokenize", {"model": model, "prompt": prompt})[2])["count"]
-    return count, statistics.median(uncached), statistics.median(cached)
+        tokenized = post(base + "/tokenize", {"model": model, "prompt": prompt})[2]
+        counts.append(json.loads(tokenized)["count"])
+    return statistics.median(counts), statistics.median(uncached), statistics.median(cached)
 
 
 def seconds_between_tokens(base, model, tokens):
-    """Median time between output tokens of an answer of `tokens` tokens (TTFT left out)."""
-    body = {"model": model, "prompt": "hello", "max_tokens": tokens, "ignore_eos": True, "stream": True}
-    gaps = []
-    for _ in range(TRIALS):
-        first, total, _ = post(base + "/v1/completions", body)
-        gaps.append((total - first) / (tokens - 1))
-    return statistics.median(gaps)
+    """Median time between output tokens of an answer of `tokens` tokens (TTFT left out): the
+    end of the answer against the end of a one-token answer to the same prompt. Not the
+    stream's own gaps: vLLM's API server sometimes sends a whole answer at once (seen here:
+    256 tokens within 3 ms, 576 ms after the request), which read as no time between tokens."""
+
+    def e2e(max_tokens):
+        body = {"model": model, "prompt": "hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        return statistics.median(post(base + "/v1/completions", body)[1] for _ in range(TRIALS))
+
+    return (e2e(tokens) - e2e(1)) / (tokens - 1)
 
 
 def fit_line(points):
@@ -79,11 +92,52 @@ def fit_line(points):
     return my - slope * mx, slope
 
 
-def main(base, model, flags_only):
+def alone_requests(dirs):
+    """(uncached tokens, TTFT s) of the recorded requests no other request of their run overlapped."""
+    import glob
+    import os
+
+    points = []
+    for d in dirs:
+        for path in sorted(glob.glob(os.path.join(d, "*.jsonl"))):
+            with open(path) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            rows = [r for r in rows if r.get("ok") and r.get("ttft") is not None]
+            spans = sorted((r["sent_at"], r["sent_at"] + r["e2e"]) for r in rows)
+            for r in rows:
+                t = r["sent_at"]
+                overlapped = sum(1 for start, end in spans if start <= t < end) > 1
+                if not overlapped:
+                    points.append((r["prompt_tokens"] - r["cached_tokens"], r["ttft"]))
+    return points
+
+
+def fit_robust(points):
+    """Theil–Sen line: the median of the pairwise slopes, then the median intercept; a few
+    stalled requests do not tilt it as they would a least-squares line."""
+    xs = sorted(points)
+    slopes = [
+        (y2 - y1) / (x2 - x1)
+        for i, (x1, y1) in enumerate(xs)
+        for x2, y2 in xs[i + 1 :]
+        if x2 - x1 >= 32
+    ]
+    slope = statistics.median(slopes)
+    return statistics.median(y - slope * x for x, y in points), slope
+
+
+def main(base, model, flags_only, request_dirs):
     reset(base)
     rows = [prefill_times(base, model, n // 3) for n in [250, 500, 1000, 1500, 2000, 4000, 8000]]
     itl = {m: seconds_between_tokens(base, model, m) for m in [16, 64, 256]}
     overhead, per_token = fit_line([(c, u) for c, u, _ in rows if c <= FIT_UP_TO_TOKENS])
+    source = f"line fitted on prompts up to {FIT_UP_TO_TOKENS} tokens"
+    if request_dirs:
+        points = alone_requests(request_dirs)
+        if len(points) < 20:
+            sys.exit(f"only {len(points)} requests met an idle fleet in {request_dirs}; need 20")
+        overhead, per_token = fit_robust(points)
+        source = f"line fitted on the {len(points)} recorded requests that met an idle fleet"
     flags = (
         f"--prefill-tokens-per-s {1 / per_token:.0f} "
         f"--prefill-overhead-ms {max(overhead, 0.0) * 1000:.1f} --itl-ms {itl[64] * 1000:.2f}"
@@ -101,11 +155,15 @@ def main(base, model, flags_only):
     for m, gap in itl.items():
         print(f"| {m} | {gap * 1000:.2f} |")
     print()
-    print(f"sim flags (line fitted on prompts up to {FIT_UP_TO_TOKENS} tokens): {flags}")
+    print(f"sim flags ({source}): {flags}")
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
     flags_only = "--sim-args" in args
     args = [a for a in args if a != "--sim-args"]
-    main(args[0].rstrip("/"), args[1] if len(args) > 1 else "tiny-llama", flags_only)
+    request_dirs = []
+    if "--from-requests" in args:
+        at = args.index("--from-requests")
+        args, request_dirs = args[:at], args[at + 1 :]
+    main(args[0].rstrip("/"), args[1] if len(args) > 1 else "tiny-llama", flags_only, request_dirs)
