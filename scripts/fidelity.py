@@ -1,12 +1,18 @@
 """The fidelity table: per workload and system, hit rate and mean TTFT on real vLLM and on the
-simulator calibrated to it (scripts/bench-vllm.sh writes OUT/<workload>/{vllm,sim}/results.json).
+simulator calibrated to it (scripts/bench-vllm.sh writes OUT/<workload>/{vllm,sim}/results.json),
+and the median TTFT of the requests that met an idle fleet and of those that overlapped another
+(from the runs' requests/*.jsonl): the first say whether the sims' speed is right, the second
+whether what concurrent work costs is.
 
 Usage: python3 scripts/fidelity.py OUT
 """
 
 import json
 import os
+import statistics
 import sys
+
+from recorded_requests import load as load_requests, split_by_overlap
 
 
 def load(path):
@@ -19,9 +25,23 @@ def rank(results):
     return {n: i + 1 for i, n in enumerate(names)}
 
 
+def idle_and_overlapped_ms(run_dir, system):
+    """Median TTFT (ms) of the requests that met an idle fleet and of the others, as text."""
+    path = os.path.join(run_dir, "requests", f"{system}.jsonl")
+    if not os.path.exists(path):
+        return "–", "–"
+    return tuple(
+        f"{statistics.median(r['ttft'] for r in rows) * 1000:.1f}" if rows else "–"
+        for rows in split_by_overlap(load_requests(path))
+    )
+
+
 def main(out):
-    print("| workload | system | hit rate vLLM | hit rate sim | difference | TTFT mean vLLM ms | TTFT mean sim ms | rank vLLM | rank sim |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| workload | system | hit rate vLLM | hit rate sim | difference | TTFT mean vLLM ms | TTFT mean sim ms "
+        "| rank vLLM | rank sim | idle fleet p50 vLLM / sim ms | overlapped p50 vLLM / sim ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     same_order = []
     for workload in sorted(os.listdir(out)):
@@ -36,9 +56,12 @@ def main(out):
         for n in common:
             diff = sim[n]["hit_rate"] - real[n]["hit_rate"]
             worst = max(worst, abs(diff))
+            real_idle, real_overlapped = idle_and_overlapped_ms(os.path.dirname(real_path), n)
+            sim_idle, sim_overlapped = idle_and_overlapped_ms(os.path.dirname(sim_path), n)
             print(
                 f"| {workload} | {n} | {real[n]['hit_rate']:.3f} | {sim[n]['hit_rate']:.3f} | {diff:+.3f} "
-                f"| {real[n]['ttft_mean_ms']:.1f} | {sim[n]['ttft_mean_ms']:.1f} | {real_rank[n]} | {sim_rank[n]} |"
+                f"| {real[n]['ttft_mean_ms']:.1f} | {sim[n]['ttft_mean_ms']:.1f} | {real_rank[n]} | {sim_rank[n]} "
+                f"| {real_idle} / {sim_idle} | {real_overlapped} / {sim_overlapped} |"
             )
         same_order.append((workload, all(real_rank[n] == sim_rank[n] for n in common)))
     print()

@@ -97,18 +97,13 @@ def alone_requests(dirs):
     import glob
     import os
 
+    from recorded_requests import load, split_by_overlap
+
     points = []
     for d in dirs:
         for path in sorted(glob.glob(os.path.join(d, "*.jsonl"))):
-            with open(path) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-            rows = [r for r in rows if r.get("ok") and r.get("ttft") is not None]
-            spans = sorted((r["sent_at"], r["sent_at"] + r["e2e"]) for r in rows)
-            for r in rows:
-                t = r["sent_at"]
-                overlapped = sum(1 for start, end in spans if start <= t < end) > 1
-                if not overlapped:
-                    points.append((r["prompt_tokens"] - r["cached_tokens"], r["ttft"]))
+            alone, _ = split_by_overlap(load(path))
+            points += [(r["prompt_tokens"] - r["cached_tokens"], r["ttft"]) for r in alone]
     return points
 
 
