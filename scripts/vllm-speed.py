@@ -6,6 +6,7 @@ the simulator's speed to it (a step of `--prefill-overhead-ms` plus the tokens a
 Usage: python3 scripts/vllm-speed.py URL [MODEL]             the tables and the fitted flags
        python3 scripts/vllm-speed.py --sim-args URL [MODEL]  only the flags, for bench-vllm.sh
        python3 scripts/vllm-speed.py --sim-args URL [MODEL] --from-requests DIR...
+       python3 scripts/vllm-speed.py --correct "FLAGS" DIR...
 (URL: a server of `bench vllm-fleet`, otherwise idle.)
 
 With `--from-requests`, the step overhead and prefill rate are fitted instead on the requests a
@@ -15,6 +16,11 @@ does not see and the benchmark does (on a CPU fleet: the worker threads waking a
 the chat template, the router), so the sims start from the speed the benchmark meets; what
 happens when requests overlap (queueing, batching, contention) is left for the sims to predict.
 The time between tokens still comes from the probe.
+
+With `--correct`, FLAGS (from the fit above) come back with the step overhead less what the sims
+add by themselves to a request that meets an idle fleet (the router, HTTP, timers: the median of
+TTFT − step over the requests a sim run at FLAGS recorded in DIR...): the fitted intercept holds
+the router and HTTP of the vLLM runs already, and the sims would count them twice.
 """
 
 import json
@@ -121,6 +127,25 @@ def fit_robust(points):
     return statistics.median(y - slope * x for x, y in points), slope
 
 
+def flag_value(flags, name):
+    words = flags.split()
+    return float(words[words.index(name) + 1])
+
+
+def corrected(flags, sim_dirs):
+    """`flags` with the sims' own latency taken off the step overhead."""
+    overhead = flag_value(flags, "--prefill-overhead-ms") / 1000
+    rate = flag_value(flags, "--prefill-tokens-per-s")
+    points = alone_requests(sim_dirs)
+    if len(points) < 20:
+        sys.exit(f"only {len(points)} sim requests met an idle fleet in {sim_dirs}; need 20")
+    own = statistics.median(ttft - overhead - uncached / rate for uncached, ttft in points)
+    words = flags.split()
+    at = words.index("--prefill-overhead-ms") + 1
+    words[at] = f"{max(overhead - own, 0.0) * 1000:.1f}"
+    return " ".join(words)
+
+
 def main(base, model, flags_only, request_dirs):
     reset(base)
     rows = [prefill_times(base, model, n // 3) for n in [250, 500, 1000, 1500, 2000, 4000, 8000]]
@@ -155,6 +180,9 @@ def main(base, model, flags_only, request_dirs):
 
 if __name__ == "__main__":
     args = sys.argv[1:]
+    if args and args[0] == "--correct":
+        print(corrected(args[1], args[2:]))
+        sys.exit(0)
     flags_only = "--sim-args" in args
     args = [a for a in args if a != "--sim-args"]
     request_dirs = []
