@@ -53,6 +53,7 @@ for w in $workloads; do request_dirs+=("$out/$w/vllm/requests"); done
 fitted=$(python3 scripts/vllm-speed.py --sim-args "$url0" --from-requests "${request_dirs[@]}")
 # The fit's intercept holds the router and HTTP of the vLLM runs; a short sim run at that speed
 # tells what the sims add to it by themselves, which comes off their step overhead.
+rm -rf "$work/sim-calibration"
 sim_base="--model tiny-llama --tokenizer $work/model --kv-events --block-size 32 --kv-blocks 512 --max-model-len 8192 --max-num-batched-tokens 2048"
 # shellcheck disable=SC2046
 "$exe" bench compare --workload shared-prefix $(args_for shared-prefix) --model tiny-llama --systems round_robin \
