@@ -50,7 +50,7 @@ url0=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["urls"][0
 probed=$(python3 scripts/vllm-speed.py --sim-args "$url0")
 request_dirs=()
 for w in $workloads; do request_dirs+=("$out/$w/vllm/requests"); done
-fitted=$(python3 scripts/vllm-speed.py --sim-args "$url0" --from-requests "${request_dirs[@]}")
+fitted=$(python3 scripts/vllm-speed.py --from-requests "$probed" "${request_dirs[@]}")
 # The fit's intercept holds the router and HTTP of the vLLM runs; a short sim run at that speed
 # tells what the sims add to it by themselves, which comes off their step overhead.
 rm -rf "$work/sim-calibration"

@@ -5,17 +5,18 @@ the simulator's speed to it (a step of `--prefill-overhead-ms` plus the tokens a
 
 Usage: python3 scripts/vllm-speed.py URL [MODEL]             the tables and the fitted flags
        python3 scripts/vllm-speed.py --sim-args URL [MODEL]  only the flags, for bench-vllm.sh
-       python3 scripts/vllm-speed.py --sim-args URL [MODEL] --from-requests DIR...
+       python3 scripts/vllm-speed.py --from-requests "FLAGS" DIR...
        python3 scripts/vllm-speed.py --correct "FLAGS" DIR...
 (URL: a server of `bench vllm-fleet`, otherwise idle.)
 
-With `--from-requests`, the step overhead and prefill rate are fitted instead on the requests a
-`bench compare --fleet vllm` run recorded (its `requests/*.jsonl`) that met an idle fleet: no
+With `--from-requests`, FLAGS (the probe's, from `--sim-args`) come back with the step overhead
+and prefill rate fitted instead on the requests a `bench compare --fleet vllm` run recorded in
+DIR... (its `requests/*.jsonl`) that met an idle fleet: no
 other request of their run in flight when they were sent. Those pay what the idle probe above
 does not see and the benchmark does (on a CPU fleet: the worker threads waking after a pause,
 the chat template, the router), so the sims start from the speed the benchmark meets; what
 happens when requests overlap (queueing, batching, contention) is left for the sims to predict.
-The time between tokens still comes from the probe.
+The time between tokens stays the probe's.
 
 With `--correct`, FLAGS (from the fit above) come back with the step overhead less what the sims
 add by themselves to a request that meets an idle fleet (the router, HTTP, timers: the median of
@@ -23,7 +24,9 @@ TTFT − step over the requests a sim run at FLAGS recorded in DIR...): the fitt
 the router and HTTP of the vLLM runs already, and the sims would count them twice.
 """
 
+import glob
 import json
+import os
 import random
 import statistics
 import sys
@@ -99,10 +102,8 @@ def fit_line(points):
 
 
 def alone_requests(dirs):
-    """(uncached tokens, TTFT s) of the recorded requests no other request of their run overlapped."""
-    import glob
-    import os
-
+    """(uncached tokens, TTFT s) of the recorded requests no other request of their run
+    overlapped; exits when there are too few to fit on."""
     from recorded_requests import load, split_by_overlap
 
     points = []
@@ -110,6 +111,8 @@ def alone_requests(dirs):
         for path in sorted(glob.glob(os.path.join(d, "*.jsonl"))):
             alone, _ = split_by_overlap(load(path))
             points += [(r["prompt_tokens"] - r["cached_tokens"], r["ttft"]) for r in alone]
+    if len(points) < 20:
+        sys.exit(f"only {len(points)} requests met an idle fleet in {dirs}; need 20")
     return points
 
 
@@ -127,41 +130,50 @@ def fit_robust(points):
     return statistics.median(y - slope * x for x, y in points), slope
 
 
-def flag_value(flags, name):
+def sim_flags(overhead, per_token, itl):
+    """The sim's speed flags from a step overhead (s), seconds per token and between tokens."""
+    return (
+        f"--prefill-tokens-per-s {1 / per_token:.0f} "
+        f"--prefill-overhead-ms {max(overhead, 0.0) * 1000:.1f} --itl-ms {itl * 1000:.2f}"
+    )
+
+
+def parse_flags(flags):
+    """(overhead s, seconds per token, between tokens s) of `sim_flags`' text."""
     words = flags.split()
-    return float(words[words.index(name) + 1])
+
+    def value(name):
+        return float(words[words.index(name) + 1])
+
+    return (
+        value("--prefill-overhead-ms") / 1000,
+        1 / value("--prefill-tokens-per-s"),
+        value("--itl-ms") / 1000,
+    )
+
+
+def fitted_on_requests(flags, vllm_dirs):
+    """`flags` with the overhead and rate fitted on the vLLM runs' requests that met an idle fleet."""
+    _, _, itl = parse_flags(flags)
+    overhead, per_token = fit_robust(alone_requests(vllm_dirs))
+    return sim_flags(overhead, per_token, itl)
 
 
 def corrected(flags, sim_dirs):
     """`flags` with the sims' own latency taken off the step overhead."""
-    overhead = flag_value(flags, "--prefill-overhead-ms") / 1000
-    rate = flag_value(flags, "--prefill-tokens-per-s")
-    points = alone_requests(sim_dirs)
-    if len(points) < 20:
-        sys.exit(f"only {len(points)} sim requests met an idle fleet in {sim_dirs}; need 20")
-    own = statistics.median(ttft - overhead - uncached / rate for uncached, ttft in points)
-    words = flags.split()
-    at = words.index("--prefill-overhead-ms") + 1
-    words[at] = f"{max(overhead - own, 0.0) * 1000:.1f}"
-    return " ".join(words)
+    overhead, per_token, itl = parse_flags(flags)
+    own = statistics.median(
+        ttft - overhead - uncached * per_token for uncached, ttft in alone_requests(sim_dirs)
+    )
+    return sim_flags(overhead - own, per_token, itl)
 
 
-def main(base, model, flags_only, request_dirs):
+def main(base, model, flags_only):
     reset(base)
     rows = [prefill_times(base, model, n // 3) for n in [250, 500, 1000, 1500, 2000, 4000, 8000]]
     itl = {m: seconds_between_tokens(base, model, m) for m in [16, 64, 256]}
     overhead, per_token = fit_line([(c, u) for c, u, _ in rows if c <= FIT_UP_TO_TOKENS])
-    source = f"line fitted on prompts up to {FIT_UP_TO_TOKENS} tokens"
-    if request_dirs:
-        points = alone_requests(request_dirs)
-        if len(points) < 20:
-            sys.exit(f"only {len(points)} requests met an idle fleet in {request_dirs}; need 20")
-        overhead, per_token = fit_robust(points)
-        source = f"line fitted on the {len(points)} recorded requests that met an idle fleet"
-    flags = (
-        f"--prefill-tokens-per-s {1 / per_token:.0f} "
-        f"--prefill-overhead-ms {max(overhead, 0.0) * 1000:.1f} --itl-ms {itl[64] * 1000:.2f}"
-    )
+    flags = sim_flags(overhead, per_token, itl[64])
     if flags_only:
         print(flags)
         return
@@ -175,18 +187,15 @@ def main(base, model, flags_only, request_dirs):
     for m, gap in itl.items():
         print(f"| {m} | {gap * 1000:.2f} |")
     print()
-    print(f"sim flags ({source}): {flags}")
+    print(f"sim flags (line fitted on prompts up to {FIT_UP_TO_TOKENS} tokens): {flags}")
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if args and args[0] == "--correct":
-        print(corrected(args[1], args[2:]))
+    if args and args[0] in ("--from-requests", "--correct"):
+        adjust = fitted_on_requests if args[0] == "--from-requests" else corrected
+        print(adjust(args[1], args[2:]))
         sys.exit(0)
     flags_only = "--sim-args" in args
     args = [a for a in args if a != "--sim-args"]
-    request_dirs = []
-    if "--from-requests" in args:
-        at = args.index("--from-requests")
-        args, request_dirs = args[:at], args[at + 1 :]
-    main(args[0].rstrip("/"), args[1] if len(args) > 1 else "tiny-llama", flags_only, request_dirs)
+    main(args[0].rstrip("/"), args[1] if len(args) > 1 else "tiny-llama", flags_only)
