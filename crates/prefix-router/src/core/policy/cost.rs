@@ -6,14 +6,22 @@
 //! own uncached tokens, through the backend's learned prefill line
 //! ([`crate::core::prefill`]; a backend that has not learned its own yet is judged by the
 //! others'); a backend whose KV cache is over 80 % full costs up to twice as much. A match is
-//! worth exactly the prefill it saves, and a queue exactly the wait it adds: no threshold to
-//! tune.
+//! worth exactly the prefill it saves, and a queue exactly the wait it adds.
+//!
+//! The prediction sees the queue of this moment, not the load a placement commits: a chat's
+//! later turns follow its first to the backend holding its history, so a backend that holds a
+//! shared system prompt and looks cheap now gathers conversations until its queue costs as much
+//! as the prompt's prefill, and then every turn there pays that wait (8 sims, multi-turn:
+//! imbalance 4.7–5.5). So the cost policy keeps `prefix_load`'s load guard
+//! ([`LoadGuard`]): a backend too far above the least loaded in requests in flight (decoding
+//! ones included) is tried only after the others.
 //!
 //! Near-equal costs (within 5 % or 2 ms) are not decided by position: the request goes to one
 //! of them in turn, so a burst of equal requests spreads as soon as one backend's queue makes it
 //! slower, and replicas with the same view do not all pick the same backend.
 
 use super::order::by_prefill_load;
+use super::prefix_load::LoadGuard;
 use super::{CandidateRow, Choice, MatchFacts, Policy, Reason, RequestFacts};
 use crate::core::prefill::PrefillLine;
 
@@ -28,7 +36,11 @@ const KV_PRESSURE_FROM: f64 = 0.8;
 /// slower than the fleet really is, would keep it from ever being tried.
 const MIN_OBSERVATIONS: u64 = 8;
 
-pub struct Cost;
+/// `--policy cost`, with the load guard's settings (`--balance-abs`, `--balance-rel`).
+pub struct Cost {
+    pub balance_abs: u64,
+    pub balance_rel: f64,
+}
 
 /// The prompt tokens `row`'s backend computes before the first token of a request with
 /// `uncached` tokens to compute there: the work queued ahead of it, and its own.
@@ -107,21 +119,33 @@ impl Policy for Cost {
                 }
             })
             .collect();
-        // Cheapest first; equal costs by load, so the order's tail is sensible too.
+        // Cheapest first, the backends the guard trips on after the others (the least loaded
+        // never trips); equal costs by load, so the order's tail is sensible too.
+        let guard = LoadGuard::new(rows, self.balance_abs, self.balance_rel);
+        let tripped: Vec<bool> = rows.iter().map(|r| guard.trips(r)).collect();
         let mut order: Vec<usize> = (0..rows.len()).collect();
         by_prefill_load(rows, &mut order, 0);
-        order.sort_by(|&a, &b| costs[a].total_cmp(&costs[b]));
+        order.sort_by(|&a, &b| {
+            tripped[a]
+                .cmp(&tripped[b])
+                .then(costs[a].total_cmp(&costs[b]))
+        });
         let lowest = costs[order[0]];
         let bound = lowest + (lowest * TIE_FRACTION).max(TIE_SECONDS);
-        let near = order.iter().take_while(|&&p| costs[p] <= bound).count();
+        let near = order
+            .iter()
+            .take_while(|&&p| !tripped[p] && costs[p] <= bound)
+            .count();
         if near > 1 {
             let pick = (facts.turn % near as u64) as usize;
             order[..near].rotate_left(pick);
         }
         let chosen = &rows[order[0]];
         let best_match = rows.iter().map(|r| r.matched_tokens).max().unwrap_or(0);
+        let cheapest = (0..rows.len()).fold(f64::MAX, |m, p| m.min(costs[p]));
         let reason = match reason_without_match {
             Some(reason) => reason,
+            None if costs[order[0]] > cheapest => Reason::LoadGuard,
             None if best_match == 0 => Reason::LeastLoaded,
             None if chosen.matched_tokens == best_match => Reason::CostHit,
             None => Reason::CostBalance,
@@ -138,6 +162,14 @@ impl Policy for Cost {
 mod tests {
     use super::super::fixtures::{known, matched, plain, rows};
     use super::*;
+
+    /// With the guard's defaults (`--balance-abs 16 --balance-rel 1.5`).
+    fn cost() -> Cost {
+        Cost {
+            balance_abs: 16,
+            balance_rel: 1.5,
+        }
+    }
 
     /// 10 ms + 10,000 tokens/s everywhere.
     fn line() -> PrefillLine {
@@ -158,7 +190,7 @@ mod tests {
     #[test]
     fn a_match_wins_by_the_prefill_it_saves() {
         let r = matched(fleet(3), &[0, 3000, 1000]);
-        let c = Cost.choose(&r, &known(4000, 0));
+        let c = cost().choose(&r, &known(4000, 0));
         assert_eq!(c.order[0], 1);
         assert_eq!(c.reason, Reason::CostHit);
         assert_eq!(c.order[1..], [2, 0]);
@@ -169,11 +201,35 @@ mod tests {
         let mut r = matched(fleet(2), &[3000, 0]);
         // 3,000 tokens saved, but 5,000 queued ahead there.
         r[0].queued_prefill_tokens = 5000;
-        let c = Cost.choose(&r, &known(4000, 0));
+        let c = cost().choose(&r, &known(4000, 0));
         assert_eq!((c.order[0], c.reason), (1, Reason::CostBalance));
         // 2,000 queued: the match still wins.
         r[0].queued_prefill_tokens = 2000;
-        assert_eq!(Cost.choose(&r, &known(4000, 0)).order[0], 0);
+        assert_eq!(cost().choose(&r, &known(4000, 0)).order[0], 0);
+    }
+
+    #[test]
+    fn a_backend_far_above_the_fleets_load_is_tried_after_the_others() {
+        // Backend 0 holds a shared system prompt and nothing waits there, so it is the cheapest;
+        // but it carries 6 conversations decoding against 1 elsewhere (their next turns will
+        // come back to it): the guard (margin 1.5 × the mean of 2.67) sends the request away.
+        let mut r = matched(fleet(3), &[2000, 0, 0]);
+        r[0].inflight = 6;
+        r[1].inflight = 1;
+        r[2].inflight = 1;
+        let c = cost().choose(&r, &known(2100, 0));
+        assert_eq!(c.reason, Reason::LoadGuard);
+        assert_ne!(c.order[0], 0);
+        assert_eq!(c.order[2], 0, "tried last");
+        // Within the margin (4 against 1): the match wins as before.
+        r[0].inflight = 4;
+        let c = cost().choose(&r, &known(2100, 0));
+        assert_eq!((c.order[0], c.reason), (0, Reason::CostHit));
+        // Siblings still waiting for their first byte there do not trip it (a burst stays whole).
+        r[0].inflight = 6;
+        r[0].waiting_first_byte = 6;
+        r[0].queued_prefill_tokens = 600;
+        assert_eq!(cost().choose(&r, &known(2100, 0)).order[0], 0);
     }
 
     #[test]
@@ -183,9 +239,13 @@ mod tests {
         let mut r = matched(fleet(2), &[3000, 0]);
         r[0].waiting_first_byte = 3;
         r[0].queued_prefill_tokens = 300;
-        assert_eq!(Cost.choose(&r, &known(4000, 0)).order[0], 0, "not stalled");
+        assert_eq!(
+            cost().choose(&r, &known(4000, 0)).order[0],
+            0,
+            "not stalled"
+        );
         r[0].stalled_secs = 2.0;
-        let c = Cost.choose(&r, &known(4000, 0));
+        let c = cost().choose(&r, &known(4000, 0));
         assert_eq!((c.order[0], c.reason), (1, Reason::CostBalance));
         // 2 s + its own 1,000 uncached tokens (0.11 s).
         assert!((predicted_ttft(&r[0], 1000) - 2.11).abs() < 1e-9);
@@ -201,7 +261,7 @@ mod tests {
         r[0].queued_prefill_tokens = 1500;
         r[1].queued_prefill_tokens = 1000;
         // 0.01 + 0.5e-4 × 2500 = 135 ms against 0.01 + 1e-4 × 2000 = 210 ms.
-        assert_eq!(Cost.choose(&r, &known(1000, 0)).order[0], 0);
+        assert_eq!(cost().choose(&r, &known(1000, 0)).order[0], 0);
     }
 
     #[test]
@@ -210,7 +270,7 @@ mod tests {
         // turns) go to different backends.
         let r = fleet(3);
         let firsts: Vec<usize> = (0..3)
-            .map(|turn| Cost.choose(&r, &known(500, turn)).order[0])
+            .map(|turn| cost().choose(&r, &known(500, turn)).order[0])
             .collect();
         let mut sorted = firsts.clone();
         sorted.sort();
@@ -219,7 +279,7 @@ mod tests {
         let mut r = fleet(2);
         r[0].queued_prefill_tokens = 500;
         for turn in 0..4 {
-            assert_eq!(Cost.choose(&r, &known(500, turn)).order[0], 1);
+            assert_eq!(cost().choose(&r, &known(500, turn)).order[0], 1);
         }
     }
 
@@ -227,18 +287,18 @@ mod tests {
     fn a_nearly_full_cache_and_foreign_waiting_requests_cost() {
         let mut r = fleet(2);
         r[0].kv_usage = 0.99;
-        assert_eq!(Cost.choose(&r, &known(1000, 0)).order[0], 1);
-        assert_eq!(Cost.choose(&r, &known(1000, 1)).order[0], 1);
+        assert_eq!(cost().choose(&r, &known(1000, 0)).order[0], 1);
+        assert_eq!(cost().choose(&r, &known(1000, 1)).order[0], 1);
         let mut r = fleet(2);
         // Three requests waiting at backend 0 that another router sent.
         r[0].foreign_waiting = 3;
-        assert_eq!(Cost.choose(&r, &known(1000, 0)).order[0], 1);
+        assert_eq!(cost().choose(&r, &known(1000, 0)).order[0], 1);
         // The router's own waiting request is counted by its tokens, not as foreign.
         let mut r = fleet(2);
         r[0].waiting_first_byte = 1;
         r[0].queued_prefill_tokens = 10;
         r[1].queued_prefill_tokens = 200;
-        assert_eq!(Cost.choose(&r, &known(1000, 0)).order[0], 0);
+        assert_eq!(cost().choose(&r, &known(1000, 0)).order[0], 0);
     }
 
     #[test]
@@ -255,7 +315,7 @@ mod tests {
         }
         // Judged by its prior (10,000 tokens/s) it would never be tried; by the others' line,
         // it is idle and as fast.
-        assert_eq!(Cost.choose(&r, &known(2000, 0)).order[0], 2);
+        assert_eq!(cost().choose(&r, &known(2000, 0)).order[0], 2);
     }
 
     #[test]
@@ -264,12 +324,12 @@ mod tests {
         r[0].queued_prefill_tokens = 900;
         r[1].queued_prefill_tokens = 100;
         r[2].queued_prefill_tokens = 4000;
-        let c = Cost.choose(&r, &plain(None, 0));
+        let c = cost().choose(&r, &plain(None, 0));
         assert_eq!(
             (c.order.clone(), c.reason),
             (vec![1, 0, 2], Reason::LeastLoaded)
         );
-        let c = Cost.choose(
+        let c = cost().choose(
             &r,
             &RequestFacts {
                 matches: MatchFacts::Unavailable,

@@ -85,7 +85,10 @@ pub fn build(settings: &PolicySettings) -> Box<dyn Policy> {
             balance_abs: settings.balance_abs,
             balance_rel: settings.balance_rel,
         }),
-        PolicyKind::Cost => Box::new(Cost),
+        PolicyKind::Cost => Box::new(Cost {
+            balance_abs: settings.balance_abs,
+            balance_rel: settings.balance_rel,
+        }),
     }
 }
 

@@ -42,18 +42,38 @@ impl Policy for PrefixLoad {
         if ratio < self.cache_threshold || rows[order[best]].matched_tokens == 0 {
             return by_load(order, Reason::BelowThreshold);
         }
-        // In requests per unit of weight: a backend of weight 4 at 40 is as loaded as one of
-        // weight 1 at 10.
-        let matched = &rows[order[best]];
-        let chosen = per_weight(matched);
-        let least = rows.iter().map(per_weight).fold(f64::MAX, f64::min);
-        let margin =
-            guard_margin(rows, self.balance_abs).max(still_to_prefill(matched, self.balance_abs));
-        let overloaded = chosen > least + margin && chosen > least * self.balance_rel;
-        if overloaded {
+        if LoadGuard::new(rows, self.balance_abs, self.balance_rel).trips(&rows[order[best]]) {
             return by_load(order, Reason::LoadGuard);
         }
         by_load(first(order, best), Reason::CacheHit)
+    }
+}
+
+/// The load guard over one request's candidates: whether a backend is too far above the least
+/// loaded to take a request for its match. Shared by `prefix_load` and `cost`.
+pub struct LoadGuard {
+    least: f64,
+    margin: f64,
+    balance_abs: u64,
+    balance_rel: f64,
+}
+
+impl LoadGuard {
+    pub fn new(rows: &[CandidateRow], balance_abs: u64, balance_rel: f64) -> Self {
+        Self {
+            least: rows.iter().map(per_weight).fold(f64::MAX, f64::min),
+            margin: guard_margin(rows, balance_abs),
+            balance_abs,
+            balance_rel,
+        }
+    }
+
+    /// In requests per unit of weight: a backend of weight 4 at 40 is as loaded as one of
+    /// weight 1 at 10.
+    pub fn trips(&self, row: &CandidateRow) -> bool {
+        let load = per_weight(row);
+        let margin = self.margin.max(still_to_prefill(row, self.balance_abs));
+        load > self.least + margin && load > self.least * self.balance_rel
     }
 }
 
