@@ -142,10 +142,16 @@ impl Policy for Cost {
         }
         let chosen = &rows[order[0]];
         let best_match = rows.iter().map(|r| r.matched_tokens).max().unwrap_or(0);
-        let cheapest = (0..rows.len()).fold(f64::MAX, |m, p| m.min(costs[p]));
+        // The guard decided if a backend it tripped on was cheaper than every other (a near-tie
+        // taken in turn costs a little more than the cheapest: that is not the guard's doing).
+        let cheapest_of = |guarded: bool| {
+            (0..rows.len())
+                .filter(|&p| tripped[p] == guarded)
+                .fold(f64::MAX, |m, p| m.min(costs[p]))
+        };
         let reason = match reason_without_match {
             Some(reason) => reason,
-            None if costs[order[0]] > cheapest => Reason::LoadGuard,
+            None if cheapest_of(true) < cheapest_of(false) => Reason::LoadGuard,
             None if best_match == 0 => Reason::LeastLoaded,
             None if chosen.matched_tokens == best_match => Reason::CostHit,
             None => Reason::CostBalance,
@@ -221,6 +227,15 @@ mod tests {
         assert_eq!(c.reason, Reason::LoadGuard);
         assert_ne!(c.order[0], 0);
         assert_eq!(c.order[2], 0, "tried last");
+        // Near-equal costs taken in turn are not the guard's decisions.
+        let mut near = fleet(3);
+        near[1].queued_prefill_tokens = 10;
+        for turn in 0..3 {
+            assert_ne!(
+                cost().choose(&near, &known(2100, turn)).reason,
+                Reason::LoadGuard
+            );
+        }
         // Within the margin (4 against 1): the match wins as before.
         r[0].inflight = 4;
         let c = cost().choose(&r, &known(2100, 0));
