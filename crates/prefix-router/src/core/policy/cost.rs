@@ -142,16 +142,13 @@ impl Policy for Cost {
         }
         let chosen = &rows[order[0]];
         let best_match = rows.iter().map(|r| r.matched_tokens).max().unwrap_or(0);
-        // The guard decided if a backend it tripped on was cheaper than every other (a near-tie
-        // taken in turn costs a little more than the cheapest: that is not the guard's doing).
-        let cheapest_of = |guarded: bool| {
-            (0..rows.len())
-                .filter(|&p| tripped[p] == guarded)
-                .fold(f64::MAX, |m, p| m.min(costs[p]))
-        };
+        // The guard decided if a backend it tripped on was cheaper than `lowest`, the cheapest
+        // of the others (a near-tie taken in turn costs a little more than `lowest`: that is
+        // not the guard's doing).
+        let guard_decided = (0..rows.len()).any(|p| tripped[p] && costs[p] < lowest);
         let reason = match reason_without_match {
             Some(reason) => reason,
-            None if cheapest_of(true) < cheapest_of(false) => Reason::LoadGuard,
+            None if guard_decided => Reason::LoadGuard,
             None if best_match == 0 => Reason::LeastLoaded,
             None if chosen.matched_tokens == best_match => Reason::CostHit,
             None => Reason::CostBalance,
