@@ -32,7 +32,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use tokio::sync::{oneshot, Notify};
 
-use super::policy::{predicted_ttft, ttft_of_work, CandidateRow};
+use super::policy::{queue_wait, CandidateRow};
 
 /// Priorities a request may have (`x-priority`, a tenant's class): a small range keeps the
 /// queue's metric series bounded.
@@ -114,7 +114,7 @@ pub fn saturated(row: &CandidateRow, bounds: &Bounds) -> bool {
         .is_some_and(|n| row.waiting_first_byte + row.foreign_waiting >= n);
     let slow = bounds
         .max_wait
-        .is_some_and(|bound| predicted_ttft(row, 0) - ttft_of_work(row, 0) > bound.as_secs_f64());
+        .is_some_and(|bound| queue_wait(row) > bound.as_secs_f64());
     let full = bounds.max_kv_usage.is_some_and(|share| {
         row.kv_cache_tokens > 0 && row.kv_tokens_in_use as f64 >= share * row.kv_cache_tokens as f64
     });

@@ -171,11 +171,21 @@ impl PrefillModel {
     /// terms included). It is asked with the line as it is *now*, not the one the request was
     /// routed by: under load that one is a whole TTFT old, and every answer in flight would
     /// push the calibration the same way long after the line had caught up.
-    pub fn learn(&self, work: u64, ttft: f64, predict: impl FnOnce(PrefillLine) -> f64) {
+    ///
+    /// `under_way` is how long the queue ahead had already been worked on when the request was
+    /// sent (the backend's [`crate::core::backend::Backend::stalled_secs`] then): the work took
+    /// that much longer than the TTFT, and the line learns the whole time.
+    pub fn learn(
+        &self,
+        work: u64,
+        ttft: f64,
+        under_way: f64,
+        predict: impl FnOnce(PrefillLine) -> f64,
+    ) {
         let predicted = predict(self.line());
         let mut s = self.sums.lock();
         s.calibrate(predicted, ttft);
-        s.add(work, ttft);
+        s.add(work, ttft + under_way);
         self.publish(&s);
     }
 
@@ -317,7 +327,7 @@ mod tests {
 
     /// Feeds `model` one answered request, predicted through the bare line.
     fn serve(model: &PrefillModel, work: u64, ttft: f64) {
-        model.learn(work, ttft, |line| line.ttft(work));
+        model.learn(work, ttft, 0.0, |line| line.ttft(work));
     }
 
     #[test]
@@ -352,12 +362,33 @@ mod tests {
             model.calibration()
         );
         for _ in 0..1000 {
-            model.learn(1000, 100.0, |_| 0.01);
+            model.learn(1000, 100.0, 0.0, |_| 0.01);
         }
         assert_eq!(model.calibration(), CALIBRATION_RANGE.1);
-        model.learn(1000, 1.0, |_| f64::NAN);
-        model.learn(1000, 1.0, |_| 0.0);
+        model.learn(1000, 1.0, 0.0, |_| f64::NAN);
+        model.learn(1000, 1.0, 0.0, |_| 0.0);
         assert_eq!(model.calibration(), CALIBRATION_RANGE.1);
+    }
+
+    #[test]
+    fn the_time_a_queue_was_under_way_is_learned_as_part_of_its_work() {
+        // A backend at 5 ms + 20,000 tokens/s; every request is sent 30 ms into the work queued
+        // ahead of it, so it answers 30 ms sooner than its work takes. The line learns the
+        // work's whole time (as if it had been sent when the queue last moved), and the
+        // prediction that subtracts those 30 ms stays calibrated.
+        let model = PrefillModel::default();
+        for i in 0..300u64 {
+            let work = 800 + (i * 131) % 1500;
+            let whole = 0.005 + work as f64 / 20_000.0;
+            model.learn(work, whole - 0.03, 0.03, |line| line.ttft(work) - 0.03);
+        }
+        let predicted = model.line().ttft(1000);
+        assert!((predicted - 0.055).abs() < 0.055 * 0.1, "{predicted}");
+        assert!(
+            (model.calibration() - 1.0).abs() < 0.1,
+            "{}",
+            model.calibration()
+        );
     }
 
     #[test]
@@ -372,7 +403,7 @@ mod tests {
         }
         let routed_by = model.line();
         for _ in 0..200 {
-            model.learn(1000, 0.4, |line| line.ttft(1000));
+            model.learn(1000, 0.4, 0.0, |line| line.ttft(1000));
         }
         let predicted = model.line().ttft(1000);
         assert!((predicted - 0.4).abs() < 0.4 * 0.15, "{predicted}");

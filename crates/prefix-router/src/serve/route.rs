@@ -519,7 +519,7 @@ pub(crate) async fn begin_attempt(
                 "first byte"
             );
             gw2.metrics.observe_ttft(&b2, ttft, predicted);
-            b2.prefill.learn(work, ttft, |line| {
+            b2.prefill.learn(work, ttft, row.stalled_secs, |line| {
                 ttft_after_queue(
                     &CandidateRow {
                         prefill: line,

@@ -5,8 +5,9 @@
 //! requests this router did not send, each counted as large as this one) plus the request's
 //! own uncached tokens, through the backend's learned prefill line
 //! ([`crate::core::prefill`]; a backend that has not learned its own yet is judged by the
-//! others'); a backend whose KV cache is over 80 % full costs up to twice as much. A match is
-//! worth exactly the prefill it saves, and a queue exactly the wait it adds.
+//! others'), less what of that queue has already been worked on ([`ttft_after_queue`]); a
+//! backend whose KV cache is over 80 % full costs up to twice as much. A match is worth exactly
+//! the prefill it saves, and a queue exactly the wait it adds.
 //!
 //! The prediction sees the queue of this moment, not the load a placement commits: a chat's
 //! later turns follow its first to the backend holding its history, so a backend that holds a
@@ -54,12 +55,27 @@ pub fn predicted_ttft(row: &CandidateRow, uncached: u64) -> f64 {
 }
 
 /// The predicted TTFT at `row` of a request with `work` tokens to compute before its first
-/// token, `uncached` of them its own: the work through the learned line, but no less than the
-/// time the queue there has already gone without moving ([`CandidateRow::stalled_secs`]) plus
-/// the request's own prefill. A stalled backend then costs more the longer it stalls, and the
-/// requests it holds stop drawing more.
+/// token, `uncached` of them its own: its own prefill plus what is left of the queue ahead.
+///
+/// The queue has been worked on for [`CandidateRow::stalled_secs`] (since its last first byte,
+/// or since it formed). While that is less than the line's time for the queue, what is left is
+/// the difference: a request arriving 60 ms into a 110 ms prefill there waits 50 ms, not 110
+/// (charging the whole queue sent the siblings of a prefix being prefilled to a backend without
+/// it, duplicating the prefix). Once the queue has taken longer than the line's time, the
+/// backend is late by the excess and is predicted as late again: a stalled backend costs more
+/// the longer it stalls, and the requests it holds stop drawing more.
 pub fn ttft_after_queue(row: &CandidateRow, work: u64, uncached: u64) -> f64 {
-    ttft_of_work(row, work).max(row.stalled_secs + ttft_of_work(row, uncached))
+    let own = ttft_of_work(row, uncached);
+    let queue = ttft_of_work(row, work) - own;
+    own + (queue - row.stalled_secs).abs()
+}
+
+/// The line's time for the work queued ahead of a request at `row`, or the time that queue has
+/// already gone without moving if longer: how far from free the backend is, for the gateway
+/// queue's saturation test (which asks whether there is room, not when a request would start).
+pub fn queue_wait(row: &CandidateRow) -> f64 {
+    let work = prefill_work(row, 0);
+    (ttft_of_work(row, work) - ttft_of_work(row, 0)).max(row.stalled_secs)
 }
 
 /// The predicted TTFT at `row` of a request with `work` tokens to compute before its first
@@ -259,11 +275,34 @@ mod tests {
         r[0].stalled_secs = 2.0;
         let c = cost().choose(&r, &known(4000, 0));
         assert_eq!((c.order[0], c.reason), (1, Reason::CostBalance));
-        // 2 s + its own 1,000 uncached tokens (0.11 s).
-        assert!((predicted_ttft(&r[0], 1000) - 2.11).abs() < 1e-9);
-        // A stall shorter than the work queued ahead changes nothing.
-        r[0].stalled_secs = 0.01;
-        assert!((predicted_ttft(&r[0], 1000) - ttft_of_work(&r[0], 1300)).abs() < 1e-9);
+        // Its own 1,000 uncached tokens (0.11 s) + 1.97 s late (2 s for 0.03 s of work), as
+        // late again.
+        assert!((predicted_ttft(&r[0], 1000) - 2.08).abs() < 1e-9);
+        // The gateway queue sees it 2 s from free.
+        assert!((queue_wait(&r[0]) - 2.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_queue_under_way_costs_only_what_is_left_of_it() {
+        // Backend 0 holds 1,000 tokens of the prompt and is prefilling a 1,500-token miss
+        // (0.15 s of work on its line), 60 ms into it: the request waits the 90 ms left and
+        // its own 100 uncached tokens (0.02 s), against a whole miss at idle backend 1 (1,100
+        // tokens, 0.12 s).
+        let mut r = matched(fleet(2), &[1000, 0]);
+        r[0].waiting_first_byte = 1;
+        r[0].queued_prefill_tokens = 1500;
+        r[0].stalled_secs = 0.06;
+        assert!((predicted_ttft(&r[0], 100) - 0.11).abs() < 1e-9);
+        let c = cost().choose(&r, &known(1100, 0));
+        assert_eq!((c.order[0], c.reason), (0, Reason::CostHit));
+        // Just sent there, the whole queue is ahead (0.17 s): the miss elsewhere is cheaper.
+        r[0].stalled_secs = 0.0;
+        assert!((predicted_ttft(&r[0], 100) - 0.17).abs() < 1e-9);
+        let c = cost().choose(&r, &known(1100, 0));
+        assert_eq!((c.order[0], c.reason), (1, Reason::CostBalance));
+        // The gateway queue sees the whole queue either way: it asks whether there is room.
+        r[0].stalled_secs = 0.06;
+        assert!((queue_wait(&r[0]) - 0.15).abs() < 1e-9);
     }
 
     #[test]

@@ -18,7 +18,7 @@ pub(crate) mod fixtures;
 
 use prefix_index::ServerId;
 
-pub use cost::{predicted_ttft, prefill_work, ttft_after_queue, ttft_of_work, Cost};
+pub use cost::{predicted_ttft, prefill_work, queue_wait, ttft_after_queue, ttft_of_work, Cost};
 pub use least_loaded::LeastLoaded;
 pub use prefix::Prefix;
 pub use prefix_load::PrefixLoad;
@@ -124,8 +124,9 @@ pub struct CandidateRow {
     pub prefill: crate::core::prefill::PrefillLine,
     /// ... from this many of them.
     pub prefill_observations: u64,
-    /// Seconds its waiting requests (ours) have gone without a first byte: a request sent
-    /// there now waits at least about as long again, whatever its learned line says.
+    /// Seconds its waiting requests (ours) have gone without a first byte (since the last one
+    /// came, or since the first of them was sent): the queue there has been worked on that
+    /// long, and past the line's time for it the backend is late ([`ttft_after_queue`]).
     pub stalled_secs: f64,
     /// Which index answered `matched_tokens` for it.
     pub matched_by: MatchedBy,
