@@ -1,9 +1,10 @@
 #!/bin/bash
 # Issue 16's goals table on 8 sims, without Mooncake: every system on five workloads (the README's commands).
-# Usage: docs/bench/issue16/goals-2026-12-06/run.sh  (about 20 minutes; writes into its own directory)
+# Usage: docs/bench/issue16/goals-2026-12-06/run.sh [OUT]  (about 20-25 minutes; OUT, from the
+# repository's root, defaults to this directory)
 set -u
 cd "$(dirname "$0")/../../../.."
-out=docs/bench/issue16/goals-2026-12-06
+out=${1:-docs/bench/issue16/goals-2026-12-06}
 mkdir -p $out
 exe=target/release/prefix-router
 common="--sim-servers 8 --systems prefix_load,cost,oracle,vllm-router,sglang-router,smg --overhead-requests 0 --throughput-secs 0"
