@@ -400,13 +400,18 @@ pub type OnFirstByte = Box<dyn FnOnce(std::time::Duration) + Send + Sync>;
 /// so in-flight counters cannot leak.
 pub struct InflightGuard {
     backend: Arc<Backend>,
-    waiting_first_byte: bool,
+    /// Whether it still counts in the backend's prefill queue: until its first byte, or (a
+    /// whole answer, whose first byte comes only at its end) until its prefill is predicted
+    /// done ([`InflightGuard::leave_prefill_queue_after`]), whichever is first.
+    in_prefill_queue: Arc<AtomicBool>,
     /// The uncached prompt tokens it added to the backend's prefill queue.
     uncached: u64,
     sent: std::time::Instant,
     on_first_byte: Option<OnFirstByte>,
     /// The gateway queue's dispatcher, told when this request's load eases.
     load_eased: Option<Arc<tokio::sync::Notify>>,
+    /// The timer that takes a whole answer out of the prefill queue, stopped with the request.
+    prefill_timer: Option<tokio::task::AbortHandle>,
 }
 
 impl InflightGuard {
@@ -421,12 +426,33 @@ impl InflightGuard {
         backend.kv_tokens.fetch_add(uncached, Relaxed);
         Self {
             backend,
-            waiting_first_byte: true,
+            in_prefill_queue: Arc::new(AtomicBool::new(true)),
             uncached,
             sent: std::time::Instant::now(),
             on_first_byte: None,
             load_eased: None,
+            prefill_timer: None,
         }
+    }
+
+    /// Takes the request out of the backend's prefill queue `after` this long unless its first
+    /// byte comes (or it ends) sooner. For a whole (not streamed) answer the first byte is its
+    /// end: counted until then, its decode would look like prefill still queued, to the cost
+    /// policy (which then sent requests away from the backends holding their prefix: sims,
+    /// shared-prefix with whole answers, hit 0.63 against `prefix_load`'s 0.87) and to the
+    /// gateway queue. Needs a tokio runtime.
+    pub fn leave_prefill_queue_after(&mut self, after: std::time::Duration) {
+        let queued = self.in_prefill_queue.clone();
+        let backend = self.backend.clone();
+        let uncached = self.uncached;
+        let load_eased = self.load_eased.clone();
+        let timer = tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            if queued.swap(false, Relaxed) {
+                leave_prefill_queue(&backend, uncached, load_eased.as_deref());
+            }
+        });
+        self.prefill_timer = Some(timer.abort_handle());
     }
 
     /// `notify` (the gateway queue's dispatcher) hears when this request's load eases: its
@@ -442,21 +468,16 @@ impl InflightGuard {
 
     /// The first byte of the answer arrived.
     pub fn first_byte(&mut self) {
-        if std::mem::take(&mut self.waiting_first_byte) {
-            self.leave_prefill_queue();
-            if let Some(f) = self.on_first_byte.take() {
-                f(self.sent.elapsed());
-            }
+        self.leave_prefill_queue();
+        if let Some(f) = self.on_first_byte.take() {
+            f(self.sent.elapsed());
         }
     }
 
     fn leave_prefill_queue(&self) {
-        self.backend.note_progress();
-        self.backend.waiting_first_byte.fetch_sub(1, Relaxed);
-        self.backend
-            .queued_prefill_tokens
-            .fetch_sub(self.uncached, Relaxed);
-        self.tell_load_eased();
+        if self.in_prefill_queue.swap(false, Relaxed) {
+            leave_prefill_queue(&self.backend, self.uncached, self.load_eased.as_deref());
+        }
     }
 
     fn tell_load_eased(&self) {
@@ -470,12 +491,24 @@ impl InflightGuard {
     }
 }
 
+/// A request of `uncached` tokens leaves `backend`'s prefill queue (once per request: the
+/// callers' flag sees to that).
+fn leave_prefill_queue(backend: &Backend, uncached: u64, load_eased: Option<&tokio::sync::Notify>) {
+    backend.note_progress();
+    backend.waiting_first_byte.fetch_sub(1, Relaxed);
+    backend.queued_prefill_tokens.fetch_sub(uncached, Relaxed);
+    if let Some(n) = load_eased {
+        n.notify_one();
+    }
+}
+
 impl Drop for InflightGuard {
     fn drop(&mut self) {
-        // Ended without a first byte: no TTFT to learn from.
-        if std::mem::take(&mut self.waiting_first_byte) {
-            self.leave_prefill_queue();
+        if let Some(timer) = self.prefill_timer.take() {
+            timer.abort();
         }
+        // Ended without a first byte: no TTFT to learn from.
+        self.leave_prefill_queue();
         self.backend.inflight.fetch_sub(1, Relaxed);
         self.backend.kv_tokens.fetch_sub(self.uncached, Relaxed);
         self.tell_load_eased();
@@ -678,6 +711,47 @@ mod tests {
             ),
             (0, 0, 0)
         );
+    }
+
+    #[tokio::test]
+    async fn a_whole_answer_leaves_the_prefill_queue_when_its_prefill_is_due() {
+        let b = Arc::new(Backend::new(BackendSpec::new("http://a:1"), 10).unwrap());
+        let queued = |b: &Backend| {
+            (
+                b.waiting_first_byte.load(Relaxed),
+                b.queued_prefill_tokens.load(Relaxed),
+            )
+        };
+        let due = std::time::Duration::from_millis(20);
+        let mut whole = InflightGuard::new(b.clone(), 700);
+        whole.leave_prefill_queue_after(due);
+        assert_eq!(queued(&b), (1, 700), "queued until its prefill is due");
+        tokio::time::sleep(due * 10).await;
+        assert_eq!(
+            queued(&b),
+            (0, 0),
+            "its prefill is due: decoding, not queued"
+        );
+        assert_eq!(b.inflight.load(Relaxed), 1, "still in flight");
+        // Its answer's end (its first byte) and its drop do not take it out a second time.
+        let other = InflightGuard::new(b.clone(), 300);
+        whole.first_byte();
+        drop(whole);
+        assert_eq!(queued(&b), (1, 300));
+        assert_eq!(b.inflight.load(Relaxed), 1);
+        drop(other);
+        // One whose answer comes (or that ends) first leaves once, and its timer is stopped.
+        let mut early = InflightGuard::new(b.clone(), 500);
+        early.leave_prefill_queue_after(due);
+        early.first_byte();
+        let mut cancelled = InflightGuard::new(b.clone(), 200);
+        cancelled.leave_prefill_queue_after(due);
+        drop(cancelled);
+        assert_eq!(queued(&b), (0, 0));
+        tokio::time::sleep(due * 10).await;
+        assert_eq!(queued(&b), (0, 0), "the timers took nothing twice");
+        drop(early);
+        assert_eq!(b.inflight.load(Relaxed), 0);
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::extract::Request;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
@@ -477,10 +477,14 @@ pub(crate) struct Attempt<'a> {
     pub span: Option<&'a RequestSpan>,
 }
 
+/// The longest a whole answer counts as prefill still queued at its backend.
+const PREFILL_TIMER_MAX: Duration = Duration::from_secs(60);
+
 /// Counts a request against the backend it is about to reach, for every front end: the index
 /// learns where it went, the backend's in-flight count and queued prefill grow (the returned
 /// guard shrinks them), the queue's permit is used up, and (streamed) its first byte will
-/// teach the backend's prefill line.
+/// teach the backend's prefill line; a whole answer leaves the prefill queue when its prefill is
+/// predicted done.
 pub(crate) async fn begin_attempt(
     gw: &Arc<Gateway>,
     attempt: Attempt<'_>,
@@ -500,10 +504,15 @@ pub(crate) async fn begin_attempt(
     guard.tell_when_load_eases(attempt.load_eased);
     // Counted against a backend now: the queue may release the next request.
     drop(permit.take());
-    if attempt.stream {
+    let work = prefill_work(&row, uncached);
+    let predicted = ttft_after_queue(&row, work, uncached);
+    if !attempt.stream {
+        // A whole answer's first byte is its end: it leaves the prefill queue when its prefill
+        // is predicted done instead (at most a minute on: a prediction is no promise).
+        let after = Duration::try_from_secs_f64(predicted).unwrap_or(PREFILL_TIMER_MAX);
+        guard.leave_prefill_queue_after(after.min(PREFILL_TIMER_MAX));
+    } else {
         // Its TTFT teaches the backend's prefill line, and says how right the line was.
-        let work = prefill_work(&row, uncached);
-        let predicted = ttft_after_queue(&row, work, uncached);
         let (gw2, b2) = (gw.clone(), backend.clone());
         let decoding = row.inflight.saturating_sub(row.waiting_first_byte);
         let span = attempt.span.cloned();
