@@ -465,15 +465,18 @@ async fn a_router_whose_bus_is_down_serves_from_local_state() {
     let first = serve_once(&a.url(), &sims, &p).await;
     assert_eq!(serve_once(&a.url(), &sims, &p).await, first);
     assert!(!connected(&a.url()).await);
-    assert!(
+    // The publisher counts the decisions it could not send at its next tick.
+    let url = a.url();
+    let dropped = || async {
         metric(
-            &a.url(),
+            &url,
             "prefix_router_replica_bus_dropped_total",
-            "disconnected"
+            "disconnected",
         )
         .await
             >= 2.0
-    );
+    };
+    assert!(eventually(5, dropped).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
