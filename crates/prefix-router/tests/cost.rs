@@ -115,28 +115,62 @@ async fn a_burst_of_siblings_spreads_over_equal_servers() {
     let urls = sims.urls();
     let (r, _) = router(&urls, &["--policy", "cost"]).await;
     let url = r.url();
-    // Nine requests at once with the same 1,500-token prefix: once a server has one queued,
-    // the next is faster elsewhere, so all three compute the prefix and share the burst.
-    let prefix = text(99, 6000);
+    let taken = |url: String| {
+        let urls = urls.clone();
+        async move {
+            let mut taken = Vec::new();
+            for u in &urls {
+                let filter = format!("backend=\"{u}\"");
+                taken.push(metric(&url, "prefix_router_requests_total", &filter).await);
+            }
+            taken
+        }
+    };
+    // Nine equal requests at once (1,500 tokens each, nothing shared): once a server has one
+    // queued, the next is faster elsewhere, so the three share the burst.
     let burst: Vec<_> = (0..9u64)
         .map(|i| {
             let url = url.clone();
-            let prompt = format!("{prefix} question {i}");
-            tokio::spawn(async move { stream(&url, prompt).await })
+            tokio::spawn(async move { stream(&url, text(100 + i, 6000)).await })
         })
         .collect();
     for b in burst {
         b.await.unwrap();
     }
-    for u in &urls {
-        let n = metric(
-            &url,
-            "prefix_router_requests_total",
-            &format!("backend=\"{u}\""),
-        )
-        .await;
-        assert!(n >= 2.0, "{u} took {n} of the burst");
+    let spread = taken(url.clone()).await;
+    assert!(spread.iter().all(|&n| n >= 2.0), "cost: {spread:?}");
+    // Siblings of one 6,000-token prefix (0.6 s of prefill) sent 150 ms into the first one's
+    // prefill: the holder finishes the prefix in ~0.45 s and then computes only their
+    // questions, sooner than another server would compute the whole prefix (0.6 s), so they
+    // wait there instead of computing the prefix again (the part of a queue already under way
+    // is not charged; see `policy::ttft_after_queue`).
+    let (r3, _) = router(&urls, &["--policy", "cost"]).await;
+    let url3 = r3.url();
+    let prefix = text(5, 24_000);
+    let sibling = |i: u64| {
+        let url = url3.clone();
+        let prompt = format!("{prefix} question {i}");
+        tokio::spawn(async move { stream(&url, prompt).await })
+    };
+    let first = sibling(0);
+    assert!(
+        eventually(10, || async {
+            metric(&url3, "prefix_router_inflight", "").await == 1.0
+        })
+        .await
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+    let burst: Vec<_> = (1..9u64).map(sibling).collect();
+    first.await.unwrap();
+    for b in burst {
+        b.await.unwrap();
     }
+    let gathered = taken(url3.clone()).await;
+    assert_eq!(gathered.iter().sum::<f64>(), 9.0);
+    assert!(
+        gathered.iter().any(|&n| n >= 7.0),
+        "cost computed the prefix again elsewhere: {gathered:?}"
+    );
     // prefix_load keeps it together: the siblings wait for their first byte on the server that
     // took the first, and its guard lets a server carry those (vLLM prefills them in one step
     // with the shared prefix computed once; see `prefix_load`'s `still_to_prefill`). The first
