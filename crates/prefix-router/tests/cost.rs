@@ -109,23 +109,45 @@ async fn the_cost_policy_learns_each_servers_speed_and_prefers_the_faster() {
     );
 }
 
+/// Requests the router at `url` sent to each of `urls`, in their order.
+async fn taken(url: &str, urls: &[String]) -> Vec<f64> {
+    let mut taken = Vec::new();
+    for u in urls {
+        let filter = format!("backend=\"{u}\"");
+        taken.push(metric(url, "prefix_router_requests_total", &filter).await);
+    }
+    taken
+}
+
+/// Nine streamed siblings of `prefix` through the router at `url`: the first alone, the other
+/// eight `pause` after it is in flight (so that they can match it: siblings sent at the very
+/// same instant all miss the index and spread by load). Returns when all have answered.
+async fn siblings_after_the_first(url: &str, prefix: &str, pause: std::time::Duration) {
+    let sibling = |i: u64| {
+        let (url, prompt) = (url.to_string(), format!("{prefix} question {i}"));
+        tokio::spawn(async move { stream(&url, prompt).await })
+    };
+    let first = sibling(0);
+    assert!(
+        eventually(10, || async {
+            metric(url, "prefix_router_inflight", "").await == 1.0
+        })
+        .await
+    );
+    tokio::time::sleep(pause).await;
+    let burst: Vec<_> = (1..9u64).map(sibling).collect();
+    first.await.unwrap();
+    for b in burst {
+        b.await.unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_siblings_spreads_over_equal_servers() {
     let sims = fleet(timed(10_000.0), 3).await;
     let urls = sims.urls();
     let (r, _) = router(&urls, &["--policy", "cost"]).await;
     let url = r.url();
-    let taken = |url: String| {
-        let urls = urls.clone();
-        async move {
-            let mut taken = Vec::new();
-            for u in &urls {
-                let filter = format!("backend=\"{u}\"");
-                taken.push(metric(&url, "prefix_router_requests_total", &filter).await);
-            }
-            taken
-        }
-    };
     // Nine equal requests at once (1,500 tokens each, nothing shared): once a server has one
     // queued, the next is faster elsewhere, so the three share the burst.
     let burst: Vec<_> = (0..9u64)
@@ -137,7 +159,7 @@ async fn a_burst_of_siblings_spreads_over_equal_servers() {
     for b in burst {
         b.await.unwrap();
     }
-    let spread = taken(url.clone()).await;
+    let spread = taken(&url, &urls).await;
     assert!(spread.iter().all(|&n| n >= 2.0), "cost: {spread:?}");
     // Siblings of one 6,000-token prefix (0.6 s of prefill) sent 150 ms into the first one's
     // prefill: the holder finishes the prefix in ~0.45 s and then computes only their
@@ -146,26 +168,13 @@ async fn a_burst_of_siblings_spreads_over_equal_servers() {
     // is not charged; see `policy::ttft_after_queue`).
     let (r3, _) = router(&urls, &["--policy", "cost"]).await;
     let url3 = r3.url();
-    let prefix = text(5, 24_000);
-    let sibling = |i: u64| {
-        let url = url3.clone();
-        let prompt = format!("{prefix} question {i}");
-        tokio::spawn(async move { stream(&url, prompt).await })
-    };
-    let first = sibling(0);
-    assert!(
-        eventually(10, || async {
-            metric(&url3, "prefix_router_inflight", "").await == 1.0
-        })
-        .await
-    );
-    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
-    let burst: Vec<_> = (1..9u64).map(sibling).collect();
-    first.await.unwrap();
-    for b in burst {
-        b.await.unwrap();
-    }
-    let gathered = taken(url3.clone()).await;
+    siblings_after_the_first(
+        &url3,
+        &text(5, 24_000),
+        std::time::Duration::from_millis(150),
+    )
+    .await;
+    let gathered = taken(&url3, &urls).await;
     assert_eq!(gathered.iter().sum::<f64>(), 9.0);
     assert!(
         gathered.iter().any(|&n| n >= 7.0),
@@ -173,41 +182,12 @@ async fn a_burst_of_siblings_spreads_over_equal_servers() {
     );
     // prefix_load keeps it together: the siblings wait for their first byte on the server that
     // took the first, and its guard lets a server carry those (vLLM prefills them in one step
-    // with the shared prefix computed once; see `prefix_load`'s `still_to_prefill`). The first
-    // goes alone, so that the others can match it (siblings sent at the very same instant all
-    // miss the index and spread by load); its 6,000-token prefill (0.6 s) leaves them time to
-    // arrive while it waits.
+    // with the shared prefix computed once; see `prefix_load`'s `still_to_prefill`). The
+    // first's 6,000-token prefill (0.6 s) leaves the others time to arrive while it waits.
     let (r2, _) = router(&urls, &["--policy", "prefix_load"]).await;
     let url2 = r2.url();
-    let prefix = text(7, 24_000);
-    let sibling = |i: u64| {
-        let url = url2.clone();
-        let prompt = format!("{prefix} question {i}");
-        tokio::spawn(async move { stream(&url, prompt).await })
-    };
-    let first = sibling(0);
-    assert!(
-        eventually(10, || async {
-            metric(&url2, "prefix_router_inflight", "").await == 1.0
-        })
-        .await
-    );
-    let burst: Vec<_> = (1..9u64).map(sibling).collect();
-    first.await.unwrap();
-    for b in burst {
-        b.await.unwrap();
-    }
-    let mut taken = Vec::new();
-    for u in &urls {
-        taken.push(
-            metric(
-                &url2,
-                "prefix_router_requests_total",
-                &format!("backend=\"{u}\""),
-            )
-            .await,
-        );
-    }
+    siblings_after_the_first(&url2, &text(7, 24_000), std::time::Duration::ZERO).await;
+    let taken = taken(&url2, &urls).await;
     eprintln!("prefix_load: the burst went {taken:?}");
     assert_eq!(taken.iter().sum::<f64>(), 9.0);
     assert!(
