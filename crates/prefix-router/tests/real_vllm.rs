@@ -381,15 +381,24 @@ async fn load_capacity_and_models_come_from_vllm() {
                 .status()
         }
     });
+    // What vLLM itself reports is read beside the router's view, so a failure says which side
+    // missed it (a scrape of a busy CPU server can time out; the next one is a second later).
+    let vllm_saw = std::sync::atomic::AtomicU64::new(0);
+    let reached = eventually(60, || async {
+        let running = metric(&server, "vllm:num_requests_running", "").await as u64;
+        vllm_saw.fetch_max(running, std::sync::atomic::Ordering::Relaxed);
+        backend()
+            .reported_running
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1
+    })
+    .await;
     assert!(
-        eventually(20, || async {
-            backend()
-                .reported_running
-                .load(std::sync::atomic::Ordering::Relaxed)
-                == 1
-        })
-        .await,
-        "vllm:num_requests_running reached the router"
+        reached,
+        "vllm:num_requests_running never reached the router (vLLM reported up to {}; the long \
+         request had ended: {})",
+        vllm_saw.into_inner(),
+        long.is_finished()
     );
     assert!(backend().kv_usage() > 0.0);
     assert_eq!(long.await.unwrap(), StatusCode::OK);
