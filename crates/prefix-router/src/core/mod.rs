@@ -23,7 +23,9 @@ use prometheus_client::registry::Registry;
 use backend::{Backend, BackendSpec, Fleet};
 use matches::{MatchSource, PromptKey, StringIndex};
 use metrics::{CoreMetrics, DecisionLabels};
-use policy::{CandidateRow, MatchFacts, MatchedBy, Policy, PolicySettings, Reason, RequestFacts};
+use policy::{
+    explain, CandidateRow, MatchFacts, MatchedBy, Policy, PolicySettings, Reason, RequestFacts,
+};
 
 /// Settings of the core's fleet handling.
 #[derive(Clone, Debug)]
@@ -316,6 +318,9 @@ impl Core {
     ) -> Decision {
         let choice = policy.choose(rows, facts);
         debug_assert_eq!(choice.order.len(), candidates.len());
+        if tracing::enabled!(target: "prefix_router::decision", tracing::Level::DEBUG) {
+            explain(policy, rows, facts, &choice);
+        }
         let index = rows[choice.order[0]].matched_by.label();
         self.metrics
             .decisions

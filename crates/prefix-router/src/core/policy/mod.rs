@@ -233,3 +233,40 @@ pub trait Policy: Send + Sync {
     /// Orders the candidates (never empty) for one request.
     fn choose(&self, rows: &[CandidateRow], facts: &RequestFacts) -> Choice;
 }
+
+/// Logs one decision with what each candidate looked like (`--log prefix_router::decision=debug`),
+/// first the chosen one: how a user (or we) finds out why a request went where it went. Per
+/// candidate: server id, matched tokens, requests in flight (of them waiting for a first byte),
+/// queued prefill tokens, seconds the queue has been under way, and the TTFT `cost` predicts.
+pub fn explain(policy: &dyn Policy, rows: &[CandidateRow], facts: &RequestFacts, choice: &Choice) {
+    let total = match facts.matches {
+        MatchFacts::Known { total_tokens } => total_tokens,
+        _ => 0,
+    };
+    let candidates: Vec<String> = choice
+        .order
+        .iter()
+        .map(|&p| {
+            let r = &rows[p];
+            let uncached = total.saturating_sub(r.matched_tokens);
+            format!(
+                "{} m{} f{}/{} q{} u{:.0}ms p{:.0}ms",
+                r.id,
+                r.matched_tokens,
+                r.waiting_first_byte,
+                r.inflight,
+                r.queued_prefill_tokens,
+                r.stalled_secs * 1e3,
+                cost::predicted_ttft(r, uncached) * 1e3,
+            )
+        })
+        .collect();
+    tracing::debug!(
+        target: "prefix_router::decision",
+        policy = policy.name(),
+        reason = choice.reason.label(),
+        tokens = total,
+        ?candidates,
+        "decided"
+    );
+}
