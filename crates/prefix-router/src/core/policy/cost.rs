@@ -33,8 +33,8 @@ const TIE_SECONDS: f64 = 0.002;
 /// KV usage above which a backend is penalized: its new blocks evict cached prefixes, and
 /// preemptions come near full.
 const KV_PRESSURE_FROM: f64 = 0.8;
-/// A backend with fewer TTFTs than this is judged by the others' lines: a prior of its own,
-/// slower than the fleet really is, would keep it from ever being tried.
+/// A backend with fewer TTFTs than this is judged by the fastest line seen ([`untried_line`]): a
+/// prior of its own, slower than the fleet really is, would keep it from ever being tried.
 const MIN_OBSERVATIONS: u64 = 8;
 
 /// `--policy cost`, with the load guard's settings (`--balance-abs`, `--balance-rel`).
@@ -86,21 +86,24 @@ pub fn ttft_of_work(row: &CandidateRow, work: u64) -> f64 {
     ttft * (1.0 + pressure)
 }
 
-/// The mean line of the candidates that have learned theirs, if any has.
-fn pooled_line(rows: &[CandidateRow]) -> Option<PrefillLine> {
-    let learned: Vec<&PrefillLine> = rows
+/// The line a backend that has not learned its own is judged by: the fastest of the candidates
+/// that have seen any answer (for a prompt of `tokens`), if any has. Optimistic on purpose: a
+/// backend is learned only by being tried. Judged by its prior (twice as slow as the sims)
+/// until some backend had eight answers, and then by the others' mean line (which the faster
+/// half beat), backends went untried (8 sims, prefix-repetition: two took their first requests
+/// at the 40th and 42nd, and 14 and 8 of 256 in all, while the load guard tripped on the
+/// others for being busier than them).
+fn untried_line(rows: &[CandidateRow], tokens: u64) -> Option<PrefillLine> {
+    if rows
         .iter()
-        .filter(|r| r.prefill_observations >= MIN_OBSERVATIONS)
-        .map(|r| &r.prefill)
-        .collect();
-    if learned.is_empty() || learned.len() == rows.len() {
+        .all(|r| r.prefill_observations >= MIN_OBSERVATIONS)
+    {
         return None;
     }
-    let n = learned.len() as f64;
-    Some(PrefillLine {
-        overhead_s: learned.iter().map(|l| l.overhead_s).sum::<f64>() / n,
-        seconds_per_token: learned.iter().map(|l| l.seconds_per_token).sum::<f64>() / n,
-    })
+    rows.iter()
+        .filter(|r| r.prefill_observations > 0)
+        .map(|r| r.prefill)
+        .min_by(|a, b| a.ttft(tokens).total_cmp(&b.ttft(tokens)))
 }
 
 impl Policy for Cost {
@@ -118,12 +121,12 @@ impl Policy for Cost {
             MatchFacts::Unavailable => (0, Some(Reason::StoreUnavailable)),
             MatchFacts::None => (0, Some(Reason::LeastLoaded)),
         };
-        let pooled = pooled_line(rows);
+        let untried = untried_line(rows, total.max(1));
         let costs: Vec<f64> = rows
             .iter()
             .map(|r| {
                 let uncached = total.saturating_sub(r.matched_tokens);
-                match pooled {
+                match untried {
                     Some(line) if r.prefill_observations < MIN_OBSERVATIONS => predicted_ttft(
                         &CandidateRow {
                             prefill: line,
@@ -353,19 +356,27 @@ mod tests {
     }
 
     #[test]
-    fn a_backend_that_has_not_learned_its_line_is_judged_by_the_others() {
-        // Two backends learned 50,000 tokens/s; the third still has the (slower) prior.
+    fn a_backend_that_has_not_learned_its_line_is_judged_by_the_fastest() {
+        // Backend 0 learned 50,000 tokens/s, backend 1 about 16,700; backend 2 still has the
+        // (slower) prior. All three idle.
         let mut r = fleet(3);
-        for row in &mut r[..2] {
+        for (row, seconds_per_token) in r.iter_mut().zip([2e-5, 6e-5]) {
             row.prefill = PrefillLine {
                 overhead_s: 0.01,
-                seconds_per_token: 2e-5,
+                seconds_per_token,
             };
             row.prefill_observations = 100;
+        }
+        // As fast as the fastest, backend 2 shares its near-tie and is tried in turn; judged
+        // by its prior, or by the two lines' mean (90 ms against 50), it would never be.
+        let chosen: Vec<usize> = (0..2)
+            .map(|turn| cost().choose(&r, &known(2000, turn)).order[0])
+            .collect();
+        assert!(chosen.contains(&2) && chosen.contains(&0), "{chosen:?}");
+        // With work queued at the learned ones, the untried one is the cheapest outright.
+        for row in &mut r[..2] {
             row.queued_prefill_tokens = 400;
         }
-        // Judged by its prior (10,000 tokens/s) it would never be tried; by the others' line,
-        // it is idle and as fast.
         assert_eq!(cost().choose(&r, &known(2000, 0)).order[0], 2);
     }
 
