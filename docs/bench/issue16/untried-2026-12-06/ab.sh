@@ -1,0 +1,13 @@
+#!/bin/bash
+# `cost` before (OLD: 9a05428) and after (NEW: 3747301) untried backends were judged by the
+# fastest line seen and each line was held near the fleet's; `prefix_load` through NEW beside
+# them. 8 sims, each workload once per binary, alternating. Run from the repository's root
+# (agent: target/agent.jsonl from scripts/agent-trace.py); data written beside this script.
+set -u
+here="$(dirname "$0")"
+s='--sim-servers 8 --sim-args "--kv-blocks 3000" --overhead-requests 0 --throughput-secs 0'
+for w in ${WORKLOADS:-prefix-repetition shared-prefix multi-turn bursty agent}; do
+  wl="--workload $w"; [ "$w" = agent ] && wl="--workload trace --trace target/agent.jsonl"
+  eval "\"$OLD\" bench compare $wl $s --systems cost --out $here/old-$w"
+  eval "\"$NEW\" bench compare $wl $s --systems cost,prefix_load --out $here/new-$w"
+done
