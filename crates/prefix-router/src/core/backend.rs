@@ -519,9 +519,6 @@ impl Drop for InflightGuard {
 #[derive(Default)]
 pub struct Fleet {
     backends: ArcSwap<Vec<Arc<Backend>>>,
-    /// The prefill line of all backends' answers together: the prior each backend's own line
-    /// is held near while its data are few or narrow.
-    pub prefill: crate::core::prefill::PrefillModel,
 }
 
 /// What a reconcile changed.

@@ -98,8 +98,8 @@ impl Default for Sums {
 }
 
 impl Sums {
-    /// Adds one (work, ttft) point, clipped against the fitted line, and refits around `prior`.
-    fn add(&mut self, work: u64, ttft: f64, prior: PrefillLine) {
+    /// Adds one (work, ttft) point, clipped against the fitted line, and refits.
+    fn add(&mut self, work: u64, ttft: f64) {
         if !ttft.is_finite() || ttft < 0.0 {
             return;
         }
@@ -111,7 +111,7 @@ impl Sums {
         self.xx = self.xx * DECAY + x * x;
         self.xy = self.xy * DECAY + x * y;
         self.observations += 1;
-        self.fitted = fit(self, prior);
+        self.fitted = fit(self);
     }
 
     /// Moves the calibration one step toward `ttft` ÷ `predicted`.
@@ -158,22 +158,11 @@ impl PrefillModel {
         self.sums.lock().observations
     }
 
-    /// A streamed request with `work` tokens to compute first answered after `ttft` seconds
-    /// (the line is held near the fixed prior until the data say otherwise).
+    /// A streamed request with `work` tokens to compute first answered after `ttft` seconds.
     pub fn observe(&self, work: u64, ttft: f64) {
         let mut s = self.sums.lock();
-        s.add(work, ttft, PrefillLine::default());
+        s.add(work, ttft);
         self.publish(&s);
-    }
-
-    /// The fleet's line learns one more answer from any backend, unless another request is
-    /// teaching it this instant (then this one is skipped: the fleet's line is a prior, and
-    /// no request waits on a lock every request takes).
-    pub fn observe_if_free(&self, work: u64, ttft: f64) {
-        if let Some(mut s) = self.sums.try_lock() {
-            s.add(work, ttft, PrefillLine::default());
-            self.publish(&s);
-        }
     }
 
     /// A streamed request with `work` tokens to compute first answered after `ttft` seconds:
@@ -186,25 +175,17 @@ impl PrefillModel {
     /// `under_way` is how long the queue ahead had already been worked on when the request was
     /// sent (the backend's [`crate::core::backend::Backend::stalled_secs`] then): the work took
     /// that much longer than the TTFT, and the line learns the whole time.
-    ///
-    /// `prior` is the line the data are held near while they are few or span little work: the
-    /// fleet's line ([`crate::core::backend::Fleet::prefill`]). The fixed prior (10,000
-    /// tokens/s) is a guess; with it, a backend that had seen one miss among many short
-    /// prefills had the guess's far point tilt its line, and predicted its next miss 18 % too
-    /// slow (8 sims, prefix-repetition: 89 ms against 76), so misses went elsewhere and it
-    /// stayed the backend they never went to.
     pub fn learn(
         &self,
         work: u64,
         ttft: f64,
         under_way: f64,
-        prior: PrefillLine,
         predict: impl FnOnce(PrefillLine) -> f64,
     ) {
         let predicted = predict(self.line());
         let mut s = self.sums.lock();
         s.calibrate(predicted, ttft);
-        s.add(work, ttft + under_way, prior);
+        s.add(work, ttft + under_way);
         self.publish(&s);
     }
 
@@ -221,7 +202,8 @@ impl PrefillModel {
 
 /// The weighted least-squares line through the data and the prior's two points, kept
 /// physical (a positive cost per token, no negative overhead).
-fn fit(s: &Sums, prior: PrefillLine) -> PrefillLine {
+fn fit(s: &Sums) -> PrefillLine {
+    let prior = PrefillLine::default();
     let prior_weight = PRIOR_WEIGHT / (1.0 + s.w);
     let half = prior_weight / 2.0;
     let (x0, y0) = (0.0, prior.overhead_s);
@@ -274,35 +256,6 @@ mod tests {
         assert!(
             (1.0 / line.seconds_per_token - 14_000.0).abs() < 1_500.0,
             "{line:?}"
-        );
-    }
-
-    #[test]
-    fn a_backend_with_narrow_data_keeps_the_fleets_slope() {
-        // Every backend runs at 10 ms + 20,000 tokens/s; the fleet's line learned that from
-        // answers of all sizes.
-        let truth = |work: u64| 0.01 + work as f64 / 20_000.0;
-        let fleet = PrefillModel::default();
-        for i in 0..200u64 {
-            let work = 250 + (i * 211) % 1500;
-            fleet.observe_if_free(work, truth(work));
-        }
-        // One backend saw one miss (1,317 tokens) among nine short prefills (290).
-        let miss_after = |prior: PrefillLine| {
-            let model = PrefillModel::default();
-            for work in [1317, 290, 290, 290, 290, 290, 290, 290, 290, 290] {
-                model.learn(work, truth(work), 0.0, prior, |line| line.ttft(work));
-            }
-            model.line().ttft(1326) / truth(1326)
-        };
-        // Held near the fleet's line it predicts the next miss within a few percent...
-        let near_fleet = miss_after(fleet.line());
-        assert!((near_fleet - 1.0).abs() < 0.05, "{near_fleet}");
-        // ... where the fixed prior's far point (twice as slow) tilted it.
-        let near_fixed = miss_after(PrefillLine::default());
-        assert!(
-            near_fixed > near_fleet + 0.05,
-            "{near_fixed} vs {near_fleet}"
         );
     }
 
@@ -374,9 +327,7 @@ mod tests {
 
     /// Feeds `model` one answered request, predicted through the bare line.
     fn serve(model: &PrefillModel, work: u64, ttft: f64) {
-        model.learn(work, ttft, 0.0, PrefillLine::default(), |line| {
-            line.ttft(work)
-        });
+        model.learn(work, ttft, 0.0, |line| line.ttft(work));
     }
 
     #[test]
@@ -411,11 +362,11 @@ mod tests {
             model.calibration()
         );
         for _ in 0..1000 {
-            model.learn(1000, 100.0, 0.0, PrefillLine::default(), |_| 0.01);
+            model.learn(1000, 100.0, 0.0, |_| 0.01);
         }
         assert_eq!(model.calibration(), CALIBRATION_RANGE.1);
-        model.learn(1000, 1.0, 0.0, PrefillLine::default(), |_| f64::NAN);
-        model.learn(1000, 1.0, 0.0, PrefillLine::default(), |_| 0.0);
+        model.learn(1000, 1.0, 0.0, |_| f64::NAN);
+        model.learn(1000, 1.0, 0.0, |_| 0.0);
         assert_eq!(model.calibration(), CALIBRATION_RANGE.1);
     }
 
@@ -429,9 +380,7 @@ mod tests {
         for i in 0..300u64 {
             let work = 800 + (i * 131) % 1500;
             let whole = 0.005 + work as f64 / 20_000.0;
-            model.learn(work, whole - 0.03, 0.03, PrefillLine::default(), |line| {
-                line.ttft(work) - 0.03
-            });
+            model.learn(work, whole - 0.03, 0.03, |line| line.ttft(work) - 0.03);
         }
         let predicted = model.line().ttft(1000);
         assert!((predicted - 0.055).abs() < 0.055 * 0.1, "{predicted}");
@@ -454,9 +403,7 @@ mod tests {
         }
         let routed_by = model.line();
         for _ in 0..200 {
-            model.learn(1000, 0.4, 0.0, PrefillLine::default(), |line| {
-                line.ttft(1000)
-            });
+            model.learn(1000, 0.4, 0.0, |line| line.ttft(1000));
         }
         let predicted = model.line().ttft(1000);
         assert!((predicted - 0.4).abs() < 0.4 * 0.15, "{predicted}");

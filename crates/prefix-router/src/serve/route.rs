@@ -528,19 +528,16 @@ pub(crate) async fn begin_attempt(
                 "first byte"
             );
             gw2.metrics.observe_ttft(&b2, ttft, predicted);
-            let fleet = &gw2.core.fleet.prefill;
-            fleet.observe_if_free(work, ttft + row.stalled_secs);
-            b2.prefill
-                .learn(work, ttft, row.stalled_secs, fleet.line(), |line| {
-                    ttft_after_queue(
-                        &CandidateRow {
-                            prefill: line,
-                            ..row
-                        },
-                        work,
-                        uncached,
-                    )
-                });
+            b2.prefill.learn(work, ttft, row.stalled_secs, |line| {
+                ttft_after_queue(
+                    &CandidateRow {
+                        prefill: line,
+                        ..row
+                    },
+                    work,
+                    uncached,
+                )
+            });
         }));
     }
     backend.routed.fetch_add(1, Relaxed);

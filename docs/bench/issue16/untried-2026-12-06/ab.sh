@@ -1,8 +1,9 @@
 #!/bin/bash
-# `cost` before (OLD: 9a05428) and after (NEW: 3747301) untried backends were judged by the
-# fastest line seen and each line was held near the fleet's; `prefix_load` through NEW beside
-# them. 8 sims, each workload once per binary, alternating. Run from the repository's root
-# (agent: target/agent.jsonl from scripts/agent-trace.py); data written beside this script.
+# `cost` before (OLD: 9a05428) and after (NEW) untried backends were judged by the fastest
+# line seen; `prefix_load` through NEW beside them. (with-fleet-line/: NEW was 3747301, whose
+# lines were also held near the fleet's line; the old-* runs were the same binary's.) 8 sims,
+# each workload once per binary, alternating. Run from the repository's root (agent:
+# target/agent.jsonl from scripts/agent-trace.py); data written beside this script.
 set -u
 here="$(dirname "$0")"
 s='--sim-servers 8 --sim-args "--kv-blocks 3000" --overhead-requests 0 --throughput-secs 0'
