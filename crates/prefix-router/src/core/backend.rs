@@ -481,9 +481,7 @@ impl InflightGuard {
     }
 
     fn tell_load_eased(&self) {
-        if let Some(n) = &self.load_eased {
-            n.notify_one();
-        }
+        tell_load_eased(self.load_eased.as_deref());
     }
 
     pub fn backend(&self) -> &Arc<Backend> {
@@ -497,6 +495,11 @@ fn leave_prefill_queue(backend: &Backend, uncached: u64, load_eased: Option<&tok
     backend.note_progress();
     backend.waiting_first_byte.fetch_sub(1, Relaxed);
     backend.queued_prefill_tokens.fetch_sub(uncached, Relaxed);
+    tell_load_eased(load_eased);
+}
+
+/// Wakes the gateway queue's dispatcher, if the request came through it.
+fn tell_load_eased(load_eased: Option<&tokio::sync::Notify>) {
     if let Some(n) = load_eased {
         n.notify_one();
     }

@@ -106,6 +106,27 @@ fn untried_line(rows: &[CandidateRow], tokens: u64) -> Option<PrefillLine> {
         .min_by(|a, b| a.ttft(tokens).total_cmp(&b.ttft(tokens)))
 }
 
+/// The TTFT predicted at each candidate for a request of `total` tokens: what `cost` chooses by
+/// (and what the decision log shows), an untried backend judged by [`untried_line`].
+pub fn predicted_ttfts(rows: &[CandidateRow], total: u64) -> Vec<f64> {
+    let untried = untried_line(rows, total.max(1));
+    rows.iter()
+        .map(|r| {
+            let uncached = total.saturating_sub(r.matched_tokens);
+            match untried {
+                Some(line) if r.prefill_observations < MIN_OBSERVATIONS => predicted_ttft(
+                    &CandidateRow {
+                        prefill: line,
+                        ..r.clone()
+                    },
+                    uncached,
+                ),
+                _ => predicted_ttft(r, uncached),
+            }
+        })
+        .collect()
+}
+
 impl Policy for Cost {
     fn name(&self) -> &'static str {
         "cost"
@@ -121,23 +142,7 @@ impl Policy for Cost {
             MatchFacts::Unavailable => (0, Some(Reason::StoreUnavailable)),
             MatchFacts::None => (0, Some(Reason::LeastLoaded)),
         };
-        let untried = untried_line(rows, total.max(1));
-        let costs: Vec<f64> = rows
-            .iter()
-            .map(|r| {
-                let uncached = total.saturating_sub(r.matched_tokens);
-                match untried {
-                    Some(line) if r.prefill_observations < MIN_OBSERVATIONS => predicted_ttft(
-                        &CandidateRow {
-                            prefill: line,
-                            ..r.clone()
-                        },
-                        uncached,
-                    ),
-                    _ => predicted_ttft(r, uncached),
-                }
-            })
-            .collect();
+        let costs = predicted_ttfts(rows, total);
         // Cheapest first, the backends the guard trips on after the others (the least loaded
         // never trips); equal costs by load, so the order's tail is sensible too.
         let guard = LoadGuard::new(rows, self.balance_abs, self.balance_rel);

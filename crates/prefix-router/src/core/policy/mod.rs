@@ -237,18 +237,19 @@ pub trait Policy: Send + Sync {
 /// Logs one decision with what each candidate looked like (`--log prefix_router::decision=debug`),
 /// first the chosen one: how a user (or we) finds out why a request went where it went. Per
 /// candidate: server id, matched tokens, requests in flight (of them waiting for a first byte),
-/// queued prefill tokens, seconds the queue has been under way, and the TTFT `cost` predicts.
+/// queued prefill tokens, seconds the queue has been under way, and the TTFT `cost` predicts
+/// ([`cost::predicted_ttfts`], whatever the policy).
 pub fn explain(policy: &dyn Policy, rows: &[CandidateRow], facts: &RequestFacts, choice: &Choice) {
     let total = match facts.matches {
         MatchFacts::Known { total_tokens } => total_tokens,
         _ => 0,
     };
+    let predicted = cost::predicted_ttfts(rows, total);
     let candidates: Vec<String> = choice
         .order
         .iter()
         .map(|&p| {
             let r = &rows[p];
-            let uncached = total.saturating_sub(r.matched_tokens);
             format!(
                 "{} m{} f{}/{} q{} u{:.0}ms p{:.0}ms",
                 r.id,
@@ -257,7 +258,7 @@ pub fn explain(policy: &dyn Policy, rows: &[CandidateRow], facts: &RequestFacts,
                 r.inflight,
                 r.queued_prefill_tokens,
                 r.stalled_secs * 1e3,
-                cost::predicted_ttft(r, uncached) * 1e3,
+                predicted[p] * 1e3,
             )
         })
         .collect();
