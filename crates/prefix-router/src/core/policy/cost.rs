@@ -7,7 +7,9 @@
 //! ([`crate::core::prefill`]; a backend that has not learned its own yet is judged by the
 //! others'), less what of that queue has already been worked on ([`ttft_after_queue`]); a
 //! backend whose KV cache is over 80 % full costs up to twice as much. A match is worth exactly
-//! the prefill it saves, and a queue exactly the wait it adds.
+//! the prefill it saves, and a queue exactly the wait it adds. To that TTFT it adds the delay
+//! the placement imposes on the requests already waiting there ([`delay_imposed`]), so the
+//! choice minimizes the sum of the TTFTs it affects.
 //!
 //! The prediction sees the queue of this moment, not the load a placement commits: a chat's
 //! later turns follow its first to the backend holding its history, so a backend that holds a
@@ -106,25 +108,44 @@ fn untried_line(rows: &[CandidateRow], tokens: u64) -> Option<PrefillLine> {
         .min_by(|a, b| a.ttft(tokens).total_cmp(&b.ttft(tokens)))
 }
 
-/// The TTFT predicted at each candidate for a request of `total` tokens: what `cost` chooses by
-/// (and what the decision log shows), an untried backend judged by [`untried_line`].
-pub fn predicted_ttfts(rows: &[CandidateRow], total: u64) -> Vec<f64> {
+/// What placing a request with `uncached` tokens to compute at `row` adds to the TTFTs of the
+/// requests already waiting there that the engine has not started on: they share its next step
+/// (or follow it), so each waits for its tokens too — all of ours waiting for a first byte but
+/// the oldest (the one being prefilled), and the others' waiting requests.
+///
+/// A request's own TTFT alone sent a burst's first request (a 2,200-token miss) to a backend
+/// 103 ms into another burst's first prefill, with that burst's sibling waiting behind it: the
+/// newcomer's own TTFT there was within the near-tie margin of an idle backend's, but the
+/// sibling, predicted at 122 ms, then shared a 2,368-token step and waited 254 ms (8 sims,
+/// bursty: 15 of 512 requests over 200 ms, all such). Charging the delay makes the choice
+/// minimize the sum of the TTFTs it affects, not the newcomer's alone.
+pub fn delay_imposed(row: &CandidateRow, uncached: u64) -> f64 {
+    let not_started = row.waiting_first_byte.saturating_sub(1) + row.foreign_waiting;
+    not_started as f64 * (ttft_of_work(row, uncached) - ttft_of_work(row, 0))
+}
+
+/// Each candidate for a request of `total` tokens, judged by the line `cost` uses for it (an
+/// untried backend by [`untried_line`]): its predicted TTFT and the delay it imposes there.
+fn judged(rows: &[CandidateRow], total: u64) -> impl Iterator<Item = (f64, f64)> + '_ {
     let untried = untried_line(rows, total.max(1));
-    rows.iter()
-        .map(|r| {
-            let uncached = total.saturating_sub(r.matched_tokens);
-            match untried {
-                Some(line) if r.prefill_observations < MIN_OBSERVATIONS => predicted_ttft(
-                    &CandidateRow {
-                        prefill: line,
-                        ..r.clone()
-                    },
-                    uncached,
-                ),
-                _ => predicted_ttft(r, uncached),
-            }
-        })
-        .collect()
+    rows.iter().map(move |r| {
+        let uncached = total.saturating_sub(r.matched_tokens);
+        let row = match untried {
+            Some(line) if r.prefill_observations < MIN_OBSERVATIONS => &CandidateRow {
+                prefill: line,
+                ..r.clone()
+            },
+            _ => r,
+        };
+        (predicted_ttft(row, uncached), delay_imposed(row, uncached))
+    })
+}
+
+/// The TTFT predicted at each candidate for a request of `total` tokens, and the delay placing
+/// it there imposes on the requests waiting there ([`delay_imposed`]): `cost` chooses by their
+/// sum, and the decision log shows both.
+pub fn predicted_ttfts(rows: &[CandidateRow], total: u64) -> Vec<(f64, f64)> {
+    judged(rows, total).collect()
 }
 
 impl Policy for Cost {
@@ -142,7 +163,9 @@ impl Policy for Cost {
             MatchFacts::Unavailable => (0, Some(Reason::StoreUnavailable)),
             MatchFacts::None => (0, Some(Reason::LeastLoaded)),
         };
-        let costs = predicted_ttfts(rows, total);
+        let costs: Vec<f64> = judged(rows, total)
+            .map(|(own, imposed)| own + imposed)
+            .collect();
         // Cheapest first, the backends the guard trips on after the others (the least loaded
         // never trips); equal costs by load, so the order's tail is sensible too.
         let guard = LoadGuard::new(rows, self.balance_abs, self.balance_rel);
@@ -311,6 +334,42 @@ mod tests {
         // The gateway queue sees the whole queue either way: it asks whether there is room.
         r[0].stalled_secs = 0.06;
         assert!((queue_wait(&r[0]) - 0.15).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_placement_pays_for_the_delay_it_imposes_on_those_waiting_there() {
+        // Backend 0 is 230 ms into a 2,208-token prefill (0.2308 s on its line), with a
+        // sibling's 160 tokens waiting behind it; backend 1 is idle. A new 2,208-token miss
+        // would itself start there within the near-tie margin of backend 1 (237.6 against
+        // 230.8 ms), but the sibling would share its step and wait 0.2208 s more.
+        let mut r = fleet(2);
+        r[0].waiting_first_byte = 2;
+        r[0].queued_prefill_tokens = 2368;
+        r[0].stalled_secs = 0.23;
+        assert!((predicted_ttft(&r[0], 2208) - 0.2376).abs() < 1e-9);
+        assert!((delay_imposed(&r[0], 2208) - 0.2208).abs() < 1e-9);
+        for turn in 0..4 {
+            assert_eq!(cost().choose(&r, &known(2208, turn)).order[0], 1);
+        }
+        // The one being prefilled is not delayed: without the sibling, the near-tie is taken
+        // in turn.
+        r[0].waiting_first_byte = 1;
+        r[0].queued_prefill_tokens = 2208;
+        assert_eq!(delay_imposed(&r[0], 2208), 0.0);
+        let firsts: Vec<usize> = (0..2)
+            .map(|turn| cost().choose(&r, &known(2208, turn)).order[0])
+            .collect();
+        assert!(firsts.contains(&0), "{firsts:?}");
+        // A sibling holding the prefix, 100 ms into that prefill, still joins them: it delays
+        // the waiting one by its own 160 tokens (16 ms); 163 + 16 ms against a whole miss
+        // elsewhere (231 ms).
+        let mut r = matched(r, &[2048, 0]);
+        r[0].waiting_first_byte = 2;
+        r[0].queued_prefill_tokens = 2368;
+        r[0].stalled_secs = 0.1;
+        assert!((delay_imposed(&r[0], 160) - 0.016).abs() < 1e-9);
+        let c = cost().choose(&r, &known(2208, 0));
+        assert_eq!((c.order[0], c.reason), (0, Reason::CostHit));
     }
 
     #[test]

@@ -237,8 +237,9 @@ pub trait Policy: Send + Sync {
 /// Logs one decision with what each candidate looked like (`--log prefix_router::decision=debug`),
 /// first the chosen one: how a user (or we) finds out why a request went where it went. Per
 /// candidate: server id, matched tokens, requests in flight (of them waiting for a first byte),
-/// queued prefill tokens, seconds the queue has been under way, and the TTFT `cost` predicts
-/// ([`cost::predicted_ttfts`], whatever the policy).
+/// queued prefill tokens, seconds the queue has been under way, the TTFT `cost` predicts and the
+/// delay it would impose on the requests waiting there ([`cost::predicted_ttfts`], whatever the
+/// policy).
 pub fn explain(policy: &dyn Policy, rows: &[CandidateRow], facts: &RequestFacts, choice: &Choice) {
     let total = match facts.matches {
         MatchFacts::Known { total_tokens } => total_tokens,
@@ -251,14 +252,15 @@ pub fn explain(policy: &dyn Policy, rows: &[CandidateRow], facts: &RequestFacts,
         .map(|&p| {
             let r = &rows[p];
             format!(
-                "{} m{} f{}/{} q{} u{:.0}ms p{:.0}ms",
+                "{} m{} f{}/{} q{} u{:.0}ms p{:.0}ms d{:.0}ms",
                 r.id,
                 r.matched_tokens,
                 r.waiting_first_byte,
                 r.inflight,
                 r.queued_prefill_tokens,
                 r.stalled_secs * 1e3,
-                predicted[p] * 1e3,
+                predicted[p].0 * 1e3,
+                predicted[p].1 * 1e3,
             )
         })
         .collect();
