@@ -480,10 +480,6 @@ impl InflightGuard {
         }
     }
 
-    fn tell_load_eased(&self) {
-        tell_load_eased(self.load_eased.as_deref());
-    }
-
     pub fn backend(&self) -> &Arc<Backend> {
         &self.backend
     }
@@ -514,7 +510,7 @@ impl Drop for InflightGuard {
         self.leave_prefill_queue();
         self.backend.inflight.fetch_sub(1, Relaxed);
         self.backend.kv_tokens.fetch_sub(self.uncached, Relaxed);
-        self.tell_load_eased();
+        tell_load_eased(self.load_eased.as_deref());
     }
 }
 
