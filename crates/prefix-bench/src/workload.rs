@@ -25,7 +25,8 @@ pub enum WorkloadKind {
     /// Replays a JSONL trace (`--trace FILE`).
     Trace,
     /// Replays a Mooncake trace (`--trace FILE`: `timestamp` ms, `input_length`,
-    /// `output_length`, `hash_ids` of 512-token blocks; equal ids are equal text).
+    /// `output_length`, `hash_ids` of 512-token blocks; equal ids are equal text), its blocks
+    /// and lengths scaled by `--mooncake-block-tokens`.
     Mooncake,
     /// Agents fanning out: bursts of `--burst` siblings under one long prefix, arriving within
     /// `--burst-spread-ms`.
@@ -124,6 +125,11 @@ pub struct WorkloadArgs {
     /// mooncake: time runs this many times faster than the trace's.
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
+    /// mooncake: tokens of text each hash id becomes (the trace's blocks hold 512). Input and
+    /// output lengths scale with it, so a small fleet (a CPU vLLM with an 8k context) replays
+    /// the trace's sharing and timing at its own size.
+    #[arg(long, default_value_t = MOONCAKE_BLOCK_TOKENS)]
+    pub mooncake_block_tokens: usize,
     /// bursty: siblings per burst.
     #[arg(long, default_value_t = 8)]
     pub burst: usize,
@@ -324,14 +330,17 @@ pub fn jobs(args: &WorkloadArgs) -> anyhow::Result<Vec<Job>> {
                 .as_ref()
                 .ok_or_else(|| anyhow::anyhow!("--workload mooncake needs --trace FILE"))?;
             anyhow::ensure!(args.speedup > 0.0, "--speedup must be positive");
+            let block_tokens = args.mooncake_block_tokens;
+            anyhow::ensure!(block_tokens > 0, "--mooncake-block-tokens must be positive");
             let mut blocks = std::collections::HashMap::new();
             read_mooncake(path)?
                 .into_iter()
                 .map(|line| {
-                    let prompt = mooncake_prompt(&line, seed, &mut blocks);
+                    let prompt = mooncake_prompt(&line, block_tokens, seed, &mut blocks);
+                    let output = scale_to_block(line.output_length, block_tokens).max(1);
                     Job::Single(TraceItem {
                         t: Some(line.timestamp / 1000.0 / args.speedup),
-                        ..item(body(args, "", &prompt, line.output_length.max(1)))
+                        ..item(body(args, "", &prompt, output))
                     })
                 })
                 .collect()
@@ -378,14 +387,22 @@ pub fn jobs(args: &WorkloadArgs) -> anyhow::Result<Vec<Job>> {
     })
 }
 
-/// A Mooncake request's prompt: the text of each hash id (the same for equal ids), cut to
-/// its input length.
+/// A length in the trace's tokens, in tokens of blocks of `block_tokens` (rounded up, so a
+/// request that asked for something still does).
+fn scale_to_block(tokens: usize, block_tokens: usize) -> usize {
+    (tokens * block_tokens).div_ceil(MOONCAKE_BLOCK_TOKENS)
+}
+
+/// A Mooncake request's prompt: the text of each hash id (the same for equal ids, each
+/// `block_tokens` long), cut to its input length scaled to those blocks.
 fn mooncake_prompt(
     line: &MooncakeLine,
+    block_tokens: usize,
     seed: u64,
     blocks: &mut std::collections::HashMap<u64, String>,
 ) -> String {
-    let bytes = line.input_length * BYTES_PER_TOKEN;
+    let tokens = scale_to_block(line.input_length, block_tokens);
+    let bytes = tokens * BYTES_PER_TOKEN;
     let mut prompt = String::with_capacity(bytes);
     for id in &line.hash_ids {
         if prompt.len() >= bytes {
@@ -393,15 +410,12 @@ fn mooncake_prompt(
         }
         let block = blocks
             .entry(*id)
-            .or_insert_with(|| text(seed ^ splitmix(*id ^ 0x4D00), MOONCAKE_BLOCK_TOKENS));
+            .or_insert_with(|| text(seed ^ splitmix(*id ^ 0x4D00), block_tokens));
         prompt.push_str(block);
     }
     // A trace whose ids cover less than its length: the rest is this request's own.
     if prompt.len() < bytes {
-        let own = text(
-            seed ^ splitmix(line.timestamp.to_bits()) ^ 0x0D,
-            line.input_length,
-        );
+        let own = text(seed ^ splitmix(line.timestamp.to_bits()) ^ 0x0D, tokens);
         prompt.push_str(&own[..bytes - prompt.len()]);
     }
     prompt.truncate(bytes);
@@ -652,6 +666,53 @@ mod tests {
         // Ids covering less than the length: padded with the request's own text.
         assert_eq!(prompts[2].len(), 600 * BYTES_PER_TOKEN);
         assert_eq!(items[0].body["max_tokens"], 7);
+    }
+
+    #[test]
+    fn mooncake_blocks_shrink_with_the_lengths_they_make() {
+        let path =
+            std::env::temp_dir().join(format!("mooncake-small-{}.jsonl", std::process::id()));
+        std::fs::write(
+            &path,
+            concat!(
+                r#"{"timestamp": 0, "input_length": 1024, "output_length": 100, "hash_ids": [1, 2]}"#,
+                "\n",
+                r#"{"timestamp": 10, "input_length": 700, "output_length": 3, "hash_ids": [1, 3]}"#,
+                "\n",
+            ),
+        )
+        .unwrap();
+        let a = args(&[
+            "--workload",
+            "mooncake",
+            "--trace",
+            path.to_str().unwrap(),
+            "--mooncake-block-tokens",
+            "16",
+        ]);
+        let jobs = jobs(&a).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let items: Vec<&TraceItem> = jobs.iter().map(single).collect();
+        let prompts: Vec<String> = items.iter().map(|i| prompt(i)).collect();
+        // 1,024 and 700 of the trace's tokens at 16 a block instead of 512: 32 and 22 (rounded up).
+        assert_eq!(prompts[0].len(), 32 * BYTES_PER_TOKEN);
+        assert_eq!(prompts[1].len(), 22 * BYTES_PER_TOKEN);
+        let block = 16 * BYTES_PER_TOKEN;
+        assert_eq!(prompts[0][..block], prompts[1][..block]);
+        let rest = prompts[1].len() - block;
+        assert_ne!(prompts[0][block..block + rest], prompts[1][block..]);
+        // Outputs scale too, but never to nothing: 100 → 4 (3.1 rounded up), 3 → 1.
+        assert_eq!(items[0].body["max_tokens"], 4);
+        assert_eq!(items[1].body["max_tokens"], 1);
+        let zero = args(&[
+            "--workload",
+            "mooncake",
+            "--trace",
+            "x",
+            "--mooncake-block-tokens",
+            "0",
+        ]);
+        assert!(super::jobs(&zero).is_err());
     }
 
     #[test]
