@@ -390,7 +390,9 @@ pub fn jobs(args: &WorkloadArgs) -> anyhow::Result<Vec<Job>> {
 /// A length in the trace's tokens, in tokens of blocks of `block_tokens` (rounded up, so a
 /// request that asked for something still does).
 fn scale_to_block(tokens: usize, block_tokens: usize) -> usize {
-    tokens.saturating_mul(block_tokens).div_ceil(MOONCAKE_BLOCK_TOKENS)
+    tokens
+        .saturating_mul(block_tokens)
+        .div_ceil(MOONCAKE_BLOCK_TOKENS)
 }
 
 /// A Mooncake request's prompt: the text of each hash id (the same for equal ids, each
