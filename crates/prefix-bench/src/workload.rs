@@ -625,31 +625,28 @@ mod tests {
             .to_owned()
     }
 
+    /// The jobs of a Mooncake trace of `lines`, written to a file of its own, with `flags`.
+    fn mooncake_jobs(name: &str, lines: &[&str], flags: &[&str]) -> Vec<Job> {
+        let path = std::env::temp_dir().join(format!("{name}-{}.jsonl", std::process::id()));
+        std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+        let mut all = vec!["--workload", "mooncake", "--trace", path.to_str().unwrap()];
+        all.extend_from_slice(flags);
+        let made = jobs(&args(&all)).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        made
+    }
+
     #[test]
     fn mooncake_ids_become_shared_text_at_the_traces_times() {
-        let path = std::env::temp_dir().join(format!("mooncake-{}.jsonl", std::process::id()));
-        std::fs::write(
-            &path,
-            concat!(
-                r#"{"timestamp": 0, "input_length": 1024, "output_length": 7, "hash_ids": [1, 2]}"#,
-                "\n",
-                r#"{"timestamp": 3000, "input_length": 700, "output_length": 3, "hash_ids": [1, 3]}"#,
-                "\n",
-                r#"{"timestamp": 4000, "input_length": 600, "output_length": 1, "hash_ids": [9]}"#,
-                "\n",
-            ),
-        )
-        .unwrap();
-        let a = args(&[
-            "--workload",
+        let jobs = mooncake_jobs(
             "mooncake",
-            "--trace",
-            path.to_str().unwrap(),
-            "--speedup",
-            "2",
-        ]);
-        let jobs = jobs(&a).unwrap();
-        std::fs::remove_file(&path).unwrap();
+            &[
+                r#"{"timestamp": 0, "input_length": 1024, "output_length": 7, "hash_ids": [1, 2]}"#,
+                r#"{"timestamp": 3000, "input_length": 700, "output_length": 3, "hash_ids": [1, 3]}"#,
+                r#"{"timestamp": 4000, "input_length": 600, "output_length": 1, "hash_ids": [9]}"#,
+            ],
+            &["--speedup", "2"],
+        );
         let items: Vec<&TraceItem> = jobs.iter().map(single).collect();
         assert_eq!(
             items.iter().map(|i| i.t.unwrap()).collect::<Vec<_>>(),
@@ -672,28 +669,14 @@ mod tests {
 
     #[test]
     fn mooncake_blocks_shrink_with_the_lengths_they_make() {
-        let path =
-            std::env::temp_dir().join(format!("mooncake-small-{}.jsonl", std::process::id()));
-        std::fs::write(
-            &path,
-            concat!(
+        let jobs = mooncake_jobs(
+            "mooncake-small",
+            &[
                 r#"{"timestamp": 0, "input_length": 1024, "output_length": 100, "hash_ids": [1, 2]}"#,
-                "\n",
                 r#"{"timestamp": 10, "input_length": 700, "output_length": 3, "hash_ids": [1, 3]}"#,
-                "\n",
-            ),
-        )
-        .unwrap();
-        let a = args(&[
-            "--workload",
-            "mooncake",
-            "--trace",
-            path.to_str().unwrap(),
-            "--mooncake-block-tokens",
-            "16",
-        ]);
-        let jobs = jobs(&a).unwrap();
-        std::fs::remove_file(&path).unwrap();
+            ],
+            &["--mooncake-block-tokens", "16"],
+        );
         let items: Vec<&TraceItem> = jobs.iter().map(single).collect();
         let prompts: Vec<String> = items.iter().map(|i| prompt(i)).collect();
         // 1,024 and 700 of the trace's tokens at 16 a block instead of 512: 32 and 22 (rounded up).
