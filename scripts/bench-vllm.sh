@@ -35,31 +35,19 @@ for w in $workloads; do
     --fleet vllm --vllm-fleet-file "$work/fleet.json" --out "$out/$w/vllm"
 done
 
-# Then the simulator as the CPU vLLM of scripts/vllm-model.py: tokens, blocks and cache as
-# vLLM's; KV events as vLLM publishes them (for prefix_load+events); the speed measured here
-# (machines differ threefold): step overhead and prefill rate fitted on the requests above that
-# met an idle fleet, the time between tokens probed on server 0 by scripts/vllm-speed.py, whose
-# idle-probe fit is kept beside it for comparison.
+# Then the simulator as the CPU vLLM of scripts/vllm-model.py, at the speed measured here
+# (machines differ threefold; see calibrate_sims in scripts/vllm-workloads.sh), the idle probe's
+# fit kept beside it for comparison.
 url0=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["urls"][0])' "$work/fleet.json")
 probed=$(python3 scripts/vllm-speed.py --sim-args "$url0")
 request_dirs=()
 for w in $workloads; do request_dirs+=("$out/$w/vllm/requests"); done
-fitted=$(python3 scripts/vllm-speed.py --from-requests "$probed" "${request_dirs[@]}")
-# The fit's intercept holds the router and HTTP of the vLLM runs; a short sim run at that speed
-# tells what the sims add to it by themselves, which comes off their step overhead.
-rm -rf "$work/sim-calibration"
-sim_base="--model tiny-llama --tokenizer $work/model --kv-events --block-size 32 --kv-blocks 512 --max-model-len 8192 --max-num-batched-tokens 2048"
-# shellcheck disable=SC2046
-"$exe" bench compare --workload shared-prefix $(args_for shared-prefix) --model tiny-llama --systems round_robin \
-  --overhead-requests 0 --throughput-secs 0 \
-  --fleet sim --sim-servers "$servers" --sim-args "$sim_base $fitted" --out "$work/sim-calibration"
-speed=$(python3 scripts/vllm-speed.py --correct "$fitted" "$work/sim-calibration/requests")
+calibrate_sims "$exe" "$work" "$servers" "$probed" "${request_dirs[@]}"
 {
   echo "sim speed (the benchmark's requests that met an idle fleet, less the sims' own latency; used): $speed"
   echo "sim speed (the same before that correction): $fitted"
   echo "sim speed (one request at a time on $url0, for comparison): $probed"
 } | tee "$out/sim-speed.txt"
-sim_args="$sim_base $speed"
 for w in $workloads; do
   # shellcheck disable=SC2046
   "$exe" bench compare --workload "$w" $(args_for "$w") --model tiny-llama --systems "$systems" \

@@ -14,23 +14,16 @@ systems=${4:-prefix_load,cost,oracle,vllm-router,sglang-router,smg}
 here=docs/bench/issue16/mooncake-vllm-2026-12-06
 exe=target/release/prefix-router
 work=target/vllm-fleet
-fitted=$(python3 scripts/vllm-speed.py --from-requests "$probed" $here/conversation-*/requests)
-sim_base="--model tiny-llama --tokenizer $work/model --kv-events --block-size 32 --kv-blocks 512 --max-model-len 8192 --max-num-batched-tokens 2048"
 # shellcheck source=scripts/vllm-workloads.sh
 . scripts/vllm-workloads.sh
-rm -rf "$work/sim-calibration"
-# shellcheck disable=SC2046
-$exe bench compare --workload shared-prefix $(args_for shared-prefix) --model tiny-llama --systems round_robin \
-  --overhead-requests 0 --throughput-secs 0 \
-  --fleet sim --sim-servers 2 --sim-args "$sim_base $fitted" --out "$work/sim-calibration"
-speed=$(python3 scripts/vllm-speed.py --correct "$fitted" "$work/sim-calibration/requests")
+calibrate_sims "$exe" "$work" 2 "$probed" $here/conversation-*/requests
 mkdir -p "$out"
 {
   echo "sim speed (used): $speed"
   echo "fitted on the vLLM runs' idle requests: $fitted"
   echo "idle probe: $probed"
 } | tee "$out/sim-speed.txt"
-$exe bench compare --fleet sim --sim-servers 2 --sim-args "$sim_base $speed" --model tiny-llama \
+$exe bench compare --fleet sim --sim-servers 2 --sim-args "$sim_args" --model tiny-llama \
   --workload mooncake --trace "$trace" --mooncake-block-tokens 8 --speedup 12 --requests 2000 \
   --systems "$systems" --overhead-requests 0 --throughput-secs 0 --out "$out"
 rm -f "$out"/*.log "$out"/backends-*.toml
