@@ -647,7 +647,7 @@ pub async fn run(args: BenchArgs, router_exe: PathBuf) -> anyhow::Result<()> {
 }
 
 /// `prefix-router demo`: a small fleet, a short shared-prefix workload under round robin and
-/// prefix_load, and the table.
+/// the default policy (cost), and the table.
 pub async fn demo(router_exe: &Path, out: PathBuf) -> anyhow::Result<Vec<SystemResult>> {
     use clap::Parser;
     #[derive(Parser)]
@@ -674,7 +674,7 @@ pub async fn demo(router_exe: &Path, out: PathBuf) -> anyhow::Result<Vec<SystemR
         "--qps",
         "40",
         "--systems",
-        "round_robin,prefix_load",
+        "round_robin,cost",
         "--overhead-requests",
         "300",
         "--throughput-secs",
@@ -685,7 +685,7 @@ pub async fn demo(router_exe: &Path, out: PathBuf) -> anyhow::Result<Vec<SystemR
     .c;
     println!(
         "prefix-router demo: 4 simulated vLLM servers (each caches ~1/3 of the 16 shared 1,024-token prompts), \
-         160 chat requests at 40/s, first round robin, then prefix_load.\n"
+         160 chat requests at 40/s, first round robin, then cost (the default policy).\n"
     );
     compare(args, router_exe.to_path_buf()).await
 }

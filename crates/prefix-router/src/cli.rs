@@ -35,7 +35,7 @@ pub enum Command {
     /// Benchmarks: one workload against one URL (`run`), or every system side by side
     /// (`compare`).
     Bench(Box<prefix_bench::BenchArgs>),
-    /// A one-minute tour: simulated servers, round robin vs prefix_load on a shared-prefix
+    /// A one-minute tour: simulated servers, round robin vs the default policy (cost) on a shared-prefix
     /// workload, and the table.
     Demo {
         /// Where the results go.

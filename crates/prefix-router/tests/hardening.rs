@@ -563,7 +563,7 @@ async fn a_database_outage_degrades_to_load_routing_without_client_errors() {
     let hits_before = metric(
         &r.url(),
         "prefix_router_routing_decisions_total",
-        "reason=\"cache_hit\"",
+        "reason=\"cost_hit\"",
     )
     .await;
     assert!(
@@ -597,7 +597,7 @@ async fn a_database_outage_degrades_to_load_routing_without_client_errors() {
         if metric(
             &r.url(),
             "prefix_router_routing_decisions_total",
-            "reason=\"cache_hit\"",
+            "reason=\"cost_hit\"",
         )
         .await
             > hits_before + 2.0

@@ -160,7 +160,7 @@ async fn precise_matches_follow_what_each_server_really_holds() {
         metric(
             &url,
             "prefix_router_routing_decisions_total",
-            "policy=\"prefix_load\",reason=\"cache_hit\",index=\"events\""
+            "policy=\"cost\",reason=\"cost_hit\",index=\"events\""
         )
         .await,
         1.0
@@ -186,7 +186,7 @@ async fn precise_matches_follow_what_each_server_really_holds() {
 
     // Server 2 publishes no events: its matches come from the string index, in the same unit.
     // New prompts until one lands there (placed by load), then a sibling follows it.
-    let strings_hits = "policy=\"prefix_load\",reason=\"cache_hit\",index=\"strings\"";
+    let strings_hits = "policy=\"cost\",reason=\"cost_hit\",index=\"strings\"";
     let mut landed = None;
     for seed in 10..20 {
         let prompt = words(seed, 600);

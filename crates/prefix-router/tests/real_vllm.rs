@@ -580,7 +580,7 @@ async fn precise_routing_follows_vllms_events() {
         metric(
             &url,
             "prefix_router_routing_decisions_total",
-            "policy=\"prefix_load\",reason=\"cache_hit\",index=\"events\""
+            "policy=\"cost\",reason=\"cost_hit\",index=\"events\""
         )
         .await,
         1.0
@@ -692,7 +692,7 @@ async fn a_router_that_joins_late_replays_what_vllm_published() {
         metric(
             &url,
             "prefix_router_routing_decisions_total",
-            "policy=\"prefix_load\",reason=\"cache_hit\",index=\"events\""
+            "policy=\"cost\",reason=\"cost_hit\",index=\"events\""
         )
         .await,
         1.0

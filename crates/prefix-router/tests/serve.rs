@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use prefix_router::serve::policy::PolicyKind;
 use prefix_router::serve::{self, Gateway, ServeArgs};
 use prefix_router::server::Running;
 use reqwest::{Client, StatusCode};
@@ -171,7 +172,7 @@ async fn shared_prefixes_stick_and_distinct_ones_spread() {
         metric(
             &url,
             "prefix_router_routing_decisions_total",
-            "reason=\"cache_hit\""
+            "reason=\"cost_hit\""
         )
         .await,
         23.0
@@ -220,9 +221,9 @@ async fn multi_turn_conversations_keep_their_backend() {
     fleet.shutdown().await;
 }
 
-#[tokio::test]
-async fn a_hot_prefix_does_not_pile_onto_one_backend() {
-    // 64 concurrent requests with one prefix, each taking ~100 ms of decode.
+/// 64 concurrent requests with one prefix, each taking ~100 ms of decode, through `policy`:
+/// they spread, and the decisions say what spread them (`expected_reasons`, summed).
+async fn a_hot_prefix_spreads(policy: PolicyKind, expected_reasons: &[&str]) {
     let config = SimConfig {
         time_scale: 1.0,
         itl_ms: 10.0,
@@ -230,6 +231,7 @@ async fn a_hot_prefix_does_not_pile_onto_one_backend() {
     };
     let fleet = fleet(config, 4).await;
     let router = router(&fleet.urls(), |a| {
+        a.policy = policy;
         a.balance_abs = 4;
         a.balance_rel = 1.5;
     })
@@ -248,19 +250,27 @@ async fn a_hot_prefix_does_not_pile_onto_one_backend() {
     let max = per_backend.iter().cloned().fold(0.0, f64::max);
     assert!(
         max < 64.0 * 0.75,
-        "the load guard spreads a hot prefix: {per_backend:?}"
+        "{policy:?} spreads a hot prefix: {per_backend:?}"
     );
+    let mut spread_by = 0.0;
+    for reason in expected_reasons {
+        let filter = format!("reason=\"{reason}\"");
+        spread_by += metric(&url, "prefix_router_routing_decisions_total", &filter).await;
+    }
     assert!(
-        metric(
-            &url,
-            "prefix_router_routing_decisions_total",
-            "reason=\"load_guard\""
-        )
-        .await
-            > 0.0
+        spread_by > 0.0,
+        "{policy:?}: no {expected_reasons:?} decision"
     );
     router.running.shutdown().await;
     fleet.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_hot_prefix_does_not_pile_onto_one_backend() {
+    // prefix_load spreads it by its load guard alone; cost (the default) by its prediction (a
+    // backend's queue makes it dearer than a miss elsewhere) or the same guard.
+    a_hot_prefix_spreads(PolicyKind::PrefixLoad, &["load_guard"]).await;
+    a_hot_prefix_spreads(PolicyKind::Cost, &["load_guard", "cost_balance"]).await;
 }
 
 #[tokio::test]
@@ -675,10 +685,7 @@ async fn the_config_file_is_reread_when_it_changes() {
     .map(|s| s.to_string())
     .collect();
     let args = ServeArgs::from_words(&words).unwrap();
-    assert_eq!(
-        args.policy,
-        prefix_router::serve::policy::PolicyKind::RoundRobin
-    );
+    assert_eq!(args.policy, PolicyKind::RoundRobin);
     let (running, gateway) = serve::spawn(args, listener).await.unwrap();
     let router = Router { running, gateway };
     let url = router.url();

@@ -144,7 +144,7 @@ async fn a_span_per_request_continues_the_clients_trace_upstream() {
         assert_eq!(span["parentSpanId"], client_span);
         assert_eq!(span["name"], "POST /v1/completions");
         assert_eq!(attribute(span, "gen_ai.request.model"), "fake-model");
-        assert_eq!(attribute(span, "prefix_router.policy"), "prefix_load");
+        assert_eq!(attribute(span, "prefix_router.policy"), "cost");
         assert!(attribute(span, "prefix_router.reason").is_string());
         assert_eq!(
             attribute(span, "server.address").as_str(),

@@ -33,12 +33,7 @@ pub struct ServeArgs {
     #[arg(long, env = "PREFIX_ROUTER_CONFIG")]
     pub config: Option<PathBuf>,
     /// Routing policy.
-    #[arg(
-        long,
-        env = "PREFIX_ROUTER_POLICY",
-        value_enum,
-        default_value = "prefix_load"
-    )]
+    #[arg(long, env = "PREFIX_ROUTER_POLICY", value_enum, default_value = "cost")]
     pub policy: PolicyKind,
     /// prefix_load: below this matched fraction, route by load instead.
     #[arg(long, env = "PREFIX_ROUTER_CACHE_THRESHOLD", default_value_t = 0.5)]
@@ -357,7 +352,7 @@ impl ServeArgs {
             self.policy = match logic.as_str() {
                 "roundrobin" | "round_robin" => PolicyKind::RoundRobin,
                 "session" => PolicyKind::Session,
-                "prefixaware" | "kvaware" | "cache_aware" => PolicyKind::PrefixLoad,
+                "prefixaware" | "kvaware" | "cache_aware" => PolicyKind::Cost,
                 "least_loaded" | "leastloaded" => PolicyKind::LeastLoaded,
                 other => bail!("--routing-logic {other:?} is not supported (roundrobin, session, prefixaware, kvaware)"),
             };
@@ -651,5 +646,12 @@ api-key = "k"
         assert_eq!(specs[0].models, Some(vec!["m1".to_owned()]));
         assert_eq!(specs[1].models, Some(vec!["m2".to_owned()]));
         assert!(parse(&["--routing-logic", "disaggregated_prefill"]).is_err());
+        // Production-stack's cache-aware logics map to the default, our cache-aware best.
+        for logic in ["prefixaware", "kvaware"] {
+            let args = parse(&["--backend", "http://a:1", "--routing-logic", logic]).unwrap();
+            assert_eq!(args.policy, PolicyKind::Cost, "{logic}");
+        }
+        let args = parse(&["--backend", "http://a:1"]).unwrap();
+        assert_eq!(args.policy, PolicyKind::Cost, "the default policy");
     }
 }
