@@ -17,12 +17,12 @@ args_for() {
 # `scripts/vllm-speed.py --sim-args URL`, gives the time between tokens); the fit's intercept
 # holds the router and HTTP of those runs, so a short round-robin run of SERVERS sims at that
 # speed tells what the sims add by themselves, and it comes off their step overhead. Sets
-# `sim_base`, `fitted` (before that correction), `speed` (after) and `sim_args` (the flags).
+# `fitted` (before that correction), `speed` (after) and `sim_args` (the sims' flags).
 calibrate_sims() {
   local exe=$1 work=$2 servers=$3 probed=$4
   shift 4
   fitted=$(python3 scripts/vllm-speed.py --from-requests "$probed" "$@")
-  sim_base="--model tiny-llama --tokenizer $work/model --kv-events --block-size 32 --kv-blocks 512 --max-model-len 8192 --max-num-batched-tokens 2048"
+  local sim_base="--model tiny-llama --tokenizer $work/model --kv-events --block-size 32 --kv-blocks 512 --max-model-len 8192 --max-num-batched-tokens 2048"
   rm -rf "$work/sim-calibration"
   # shellcheck disable=SC2046
   "$exe" bench compare --workload shared-prefix $(args_for shared-prefix) --model tiny-llama --systems round_robin \

@@ -188,7 +188,7 @@ async fn a_prefix_taught_to_one_replica_is_routed_there_by_another() {
     until_connected(&[&a.url(), &b.url()]).await;
     let taught = prompts(8, 1);
     let placed = teach(&a.url(), &sims, &taught).await;
-    // The default policy spreads unmatched prompts (near-equal costs in turn): A used several sims.
+    // The default policy places prompts nobody holds by load: A used several sims.
     let mut distinct = placed.clone();
     distinct.sort();
     distinct.dedup();

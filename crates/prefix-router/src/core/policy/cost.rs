@@ -22,8 +22,8 @@
 //! Near-equal costs (within 5 % or 2 ms) are not decided by position: the request goes to one
 //! of them in turn, so a burst of equal requests spreads as soon as one backend's queue makes it
 //! slower, and replicas with the same view do not all pick the same backend. A prompt no
-//! backend holds goes to the least loaded of them (in flight, index entries; in turn among
-//! equals): its later requests will follow it there.
+//! backend holds goes to the least loaded of them (waiting for a first byte, in flight, index
+//! entries; in turn among equals): its later requests will follow it there.
 
 use super::order::by_prefill_load;
 use super::prefix_load::LoadGuard;
@@ -186,20 +186,22 @@ impl Policy for Cost {
             .take_while(|&&p| !tripped[p] && costs[p] <= bound)
             .count();
         let best_match = rows.iter().map(|r| r.matched_tokens).max().unwrap_or(0);
-        if near > 1 && best_match == 0 {
-            // A prompt no backend holds: the prediction sees prefill only, so the idle
-            // backends tie, but the prompt's later requests will follow it, so it goes where
-            // the load is least — waiting, in flight (decoding too), queue, index entries —
-            // rotating among equals, as `prefix_load` places it. Taken in turn instead, the
-            // rotation aliased with the load order (a backend just chosen sorts last, so turn
-            // after turn picked every other one): 8 sims, prefix-repetition, the 16 prompts
-            // landed 3/3/3/3/1/1/1/1 (`prefix_load`: 3/2/2/2/2/2/2/1), the holders of three
-            // drew 1.5× the mean load, and the load guard sent 13 of their requests away to
-            // compute the prompt again (hit 0.695 against 0.729).
-            by_prefill_load(rows, &mut order[..near], facts.turn);
-        } else if near > 1 {
-            let pick = (facts.turn % near as u64) as usize;
-            order[..near].rotate_left(pick);
+        if near > 1 {
+            if best_match == 0 {
+                // A prompt no backend holds: the prediction sees prefill only, so the idle
+                // backends tie, but the prompt's later requests will follow it, so it goes where
+                // the load is least — waiting, in flight (decoding too), queue, index entries —
+                // rotating among equals, as `prefix_load` places it. Taken in turn instead, the
+                // rotation aliased with the load order (a backend just chosen sorts last, so turn
+                // after turn picked every other one): 8 sims, prefix-repetition, the 16 prompts
+                // landed 3/3/3/3/1/1/1/1 (`prefix_load`: 3/2/2/2/2/2/2/1), the holders of three
+                // drew 1.5× the mean load, and the load guard sent 13 of their requests away to
+                // compute the prompt again (hit 0.695 against 0.729).
+                by_prefill_load(rows, &mut order[..near], facts.turn);
+            } else {
+                let pick = (facts.turn % near as u64) as usize;
+                order[..near].rotate_left(pick);
+            }
         }
         let chosen = &rows[order[0]];
         // The guard decided if a backend it tripped on was cheaper than `lowest`, the cheapest

@@ -5,7 +5,8 @@ Usage: lost-hits.py LOG [LOG...]   (plain or .gz)"""
 import gzip, re, sys
 from collections import Counter
 
-CAND = re.compile(r'"(\d+) m(\d+) f(\d+)/(\d+) q(\d+) u(\d+)ms p(\d+)ms(?: d(\d+)ms)?"')
+# id, matched tokens, in flight (the line's other fields are not used here)
+CAND = re.compile(r'"(\d+) m(\d+) f\d+/(\d+) ')
 
 def decisions(path):
     opener = gzip.open if path.endswith(".gz") else open
@@ -14,8 +15,7 @@ def decisions(path):
             if "prefix_router::decision" not in line or "decided" not in line:
                 continue
             reason = re.search(r'reason="(\w+)"', line).group(1)
-            cands = [dict(id=c[0], m=int(c[1]), f=int(c[2]), inflight=int(c[3]), q=int(c[4]),
-                          p=int(c[6])) for c in CAND.findall(line)]
+            cands = [dict(id=c[0], m=int(c[1]), inflight=int(c[2])) for c in CAND.findall(line)]
             if cands:
                 yield reason, cands
 
