@@ -197,17 +197,26 @@ async fn generate(server: Server, headers: HeaderMap, body: Bytes, endpoint: End
         stream_response(run)
     } else {
         match run.to_end().await {
-            Ok(choices) => Json(openai::full_response(
-                &run.req,
-                &run.id,
-                run.created,
-                &choices,
-            ))
-            .into_response(),
+            Ok(choices) => {
+                let mut answer = Json(openai::full_response(
+                    &run.req,
+                    &run.id,
+                    run.created,
+                    &choices,
+                ))
+                .into_response();
+                answer.extensions_mut().insert(Counted);
+                answer
+            }
             Err(e) => e.into_response(),
         }
     }
 }
+
+/// Marks an answer the server has counted as a success: the kill switch lets it out even when the
+/// kill lands after it was made, as the bytes of a finished answer are already on their way.
+#[derive(Clone, Copy)]
+pub(crate) struct Counted;
 
 /// One generation request on its way through the engine.
 #[derive(Clone)]
@@ -275,20 +284,12 @@ impl Run {
                 .real(k as f64 * self.server.engine.config.itl_ms / 1000.0)
     }
 
+    /// Gives the choice's seat and blocks back; [`Run::record`] counts it once it is answered.
     fn finish(&self, started: Started) -> ChoiceOutcome {
-        let engine = &self.server.engine;
         let n = started.words.len();
-        let m = &engine.metrics;
-        m.generation_tokens.fetch_add(n as u64, Relaxed);
         let finish_reason = if started.stopped { "stop" } else { "length" };
-        if started.stopped {
-            m.success_stop.fetch_add(1, Relaxed);
-        } else {
-            m.success_length.fetch_add(1, Relaxed);
-        }
-        m.e2e.observe(
-            started.admitted.ttft_secs + n.saturating_sub(1) as f64 * engine.config.itl_ms / 1000.0,
-        );
+        let e2e_secs = started.admitted.ttft_secs
+            + n.saturating_sub(1) as f64 * self.server.engine.config.itl_ms / 1000.0;
         let cached_tokens = started.admitted.cached_tokens;
         started.admitted.lease.finish(started.prompt_tokens + n);
         ChoiceOutcome {
@@ -297,6 +298,22 @@ impl Run {
             prompt_tokens: started.prompt_tokens,
             completion_tokens: n,
             cached_tokens,
+            e2e_secs,
+        }
+    }
+
+    /// Counts answered choices in the success metrics.
+    fn record(&self, outcomes: &[ChoiceOutcome]) {
+        let m = &self.server.engine.metrics;
+        for outcome in outcomes {
+            m.generation_tokens
+                .fetch_add(outcome.completion_tokens as u64, Relaxed);
+            if outcome.finish_reason == "stop" {
+                m.success_stop.fetch_add(1, Relaxed);
+            } else {
+                m.success_length.fetch_add(1, Relaxed);
+            }
+            m.e2e.observe(outcome.e2e_secs);
         }
     }
 
@@ -323,6 +340,9 @@ impl Run {
                 }
                 outcomes.push(self.finish(started));
             }
+            // Counted only once every choice is done: a kill before this point drops the whole
+            // answer, and the router's retry elsewhere must not make it count twice.
+            self.record(&outcomes);
             Ok(outcomes)
         };
         tokio::select! {
@@ -396,6 +416,7 @@ impl Run {
                 }
             }
             let outcome = self.finish(started);
+            self.record(std::slice::from_ref(&outcome));
             prompt_sum += outcome.prompt_tokens;
             completion_sum += outcome.completion_tokens;
             cached_sum += outcome.cached_tokens;

@@ -250,6 +250,8 @@ pub struct ChoiceOutcome {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub cached_tokens: usize,
+    /// The choice's end-to-end latency in simulated seconds, for `vllm:e2e_request_latency_seconds`.
+    pub e2e_secs: f64,
 }
 
 /// The non-streaming answer.

@@ -26,7 +26,8 @@ use crate::config::SimConfig;
 use crate::engine::Engine;
 
 /// Drops every request but `/sim/...` while the server is killed: the connection closes
-/// without an answer, as when a vLLM process dies.
+/// without an answer, as when a vLLM process dies. An answer the server counted as a success
+/// ([`api::Counted`]) goes out even if the kill came after it was made.
 #[derive(Clone)]
 struct KillSwitch {
     router: Router,
@@ -52,7 +53,8 @@ impl Service<Request<Incoming>> for KillSwitch {
         Box::pin(async move {
             let response: Result<Response, Infallible> = answer.await;
             let response = response.unwrap_or_else(|never| match never {});
-            if !control && engine.is_killed() {
+            let counted = response.extensions().get::<api::Counted>().is_some();
+            if !control && !counted && engine.is_killed() {
                 return Err(std::io::Error::other("simulated server is killed"));
             }
             Ok(response)
