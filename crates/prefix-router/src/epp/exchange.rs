@@ -380,7 +380,8 @@ impl Drop for Exchange {
 
 impl Picker {
     /// The gateway reports that `served` answered: when that is not the endpoint picked
-    /// first, the first failed over, and the load and the index move to the one that served.
+    /// first, the first failed over: the load moves to the one that served, and the index learns
+    /// it holds the prompt (the first keeps the entry the pick gave it).
     async fn served_by(&self, sent: &mut Sent, served: &str) {
         if endpoint_of(sent.backend.url()) == served {
             return;
