@@ -27,13 +27,14 @@ pub enum System {
     Cost,
     CostEvents,
     CostQueue,
+    CostReplicas,
     Oracle,
     SglangRouter,
     Smg,
     VllmRouter,
 }
 
-pub const ALL: [System; 17] = [
+pub const ALL: [System; 18] = [
     System::RoundRobin,
     System::LeastLoaded,
     System::Prefix,
@@ -47,6 +48,7 @@ pub const ALL: [System; 17] = [
     System::Cost,
     System::CostEvents,
     System::CostQueue,
+    System::CostReplicas,
     System::Oracle,
     System::SglangRouter,
     System::Smg,
@@ -69,6 +71,7 @@ impl System {
             System::Cost => "cost",
             System::CostEvents => "cost+events",
             System::CostQueue => "cost+queue",
+            System::CostReplicas => "cost+replicas",
             System::Oracle => "oracle",
             System::SglangRouter => "sglang-router",
             System::Smg => "smg",
@@ -484,7 +487,12 @@ impl LaunchContext {
                 urls.push(url);
                 children.push(child);
             }
-            System::PrefixLoadReplicas => {
+            System::PrefixLoadReplicas | System::CostReplicas => {
+                let policy = if system == System::CostReplicas {
+                    "cost"
+                } else {
+                    "prefix_load"
+                };
                 // Shared state: the replica bus when given, else PostgreSQL when given, else a
                 // remote index.
                 let extra = match (&self.replica_bus, &self.postgres_url) {
@@ -502,7 +510,7 @@ impl LaunchContext {
                 };
                 for _ in 0..self.replicas.max(1) {
                     let (url, child) = self
-                        .router(client, system.name(), "prefix_load", &extra, false)
+                        .router(client, system.name(), policy, &extra, false)
                         .await?;
                     router_pids.extend(child.id());
                     urls.push(url);

@@ -49,6 +49,12 @@ pub struct RequestInput<'a> {
     pub released_under: Option<&'a admission::Bounds>,
 }
 
+/// A random counter start, from the OS's randomness (std's hash keys).
+fn random_start() -> u64 {
+    use std::hash::BuildHasher;
+    std::collections::hash_map::RandomState::new().hash_one(0u8)
+}
+
 /// Keeps the items whose flag is set (`keep` is as long as `items`).
 fn retain_where<T>(items: &mut Vec<T>, keep: &[bool]) {
     let mut flags = keep.iter();
@@ -111,6 +117,10 @@ pub struct Core {
     events_ports: (u16, Option<u16>),
     policy: Box<dyn Policy>,
     least_loaded: policy::LeastLoaded,
+    /// Counts decisions; policies draw near-ties and take turns by it. It starts at a random
+    /// value: replicas behind one load balancer get requests in lock-step, so counters that all
+    /// started at 0 would make replicas with the same view pick alike (a burst fanned out over
+    /// them would land on one backend).
     turn: AtomicU64,
     settings: CoreSettings,
     metrics: CoreMetrics,
@@ -141,7 +151,7 @@ impl Core {
             events: events.map(|e| events::KvEvents::new(e.events, registry)),
             policy: policy::build(policy),
             least_loaded: policy::LeastLoaded,
-            turn: AtomicU64::new(0),
+            turn: AtomicU64::new(random_start()),
             settings,
             metrics: CoreMetrics::register(registry),
             pending_drops: Default::default(),
@@ -507,5 +517,76 @@ impl Core {
             events.sync(&self.fleet.all(), |b| self.events_endpoints(b));
         }
         Ok(change.added)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+    use std::time::Duration;
+
+    use prefix_index::{MemoryStore, PrefixHasher, StoreConfig};
+
+    use super::*;
+    use policy::PolicyKind;
+
+    /// A router replica with its own memory index and `--policy cost`.
+    fn replica() -> Core {
+        let store = Arc::new(MemoryStore::new(StoreConfig::default()).unwrap());
+        let mut registry = Registry::default();
+        let strings = StringIndex::new(
+            store,
+            PrefixHasher::default(),
+            Duration::from_secs(1),
+            true,
+            &mut registry,
+        );
+        let policy = PolicySettings {
+            kind: PolicyKind::Cost,
+            cache_threshold: 0.5,
+            balance_abs: 16,
+            balance_rel: 1.5,
+            session_load_factor: 1.25,
+        };
+        let settings = CoreSettings {
+            unhealthy_after: 1,
+            default_capacity: 1000,
+        };
+        Core::new(strings, None, &policy, settings, &mut registry)
+    }
+
+    /// Replicas behind one load balancer see the same fleet and get their requests in
+    /// lock-step; a burst fanned out over them (one request each, at the same moment) must not
+    /// all land on the backend one shared count names — whether no backend holds the prompt
+    /// (taken by load, in turn among equals) or both do (a near-tie, drawn).
+    #[tokio::test]
+    async fn replicas_with_the_same_view_do_not_all_pick_alike() {
+        let fleet: Vec<Arc<Backend>> = ["http://a:1", "http://b:1"]
+            .iter()
+            .map(|url| Arc::new(Backend::new(BackendSpec::new(url), 1000).unwrap()))
+            .collect();
+        let prompt = "the same system prompt for every sibling; ".repeat(100);
+        let (mut new_prompt, mut held_by_both) = (HashSet::new(), HashSet::new());
+        for _ in 0..32 {
+            let core = replica();
+            let key = core.strings.key(&prompt);
+            let input = RequestInput {
+                session: None,
+                prompt: Some(&key),
+                tokens: None,
+                released_under: None,
+            };
+            let first = core.pick(fleet.clone(), input).await;
+            new_prompt.insert(first.order[0].url().to_owned());
+            for b in &fleet {
+                core.strings.sent(&key, b).await;
+            }
+            let again = core.pick(fleet.clone(), input).await;
+            assert_eq!(again.matched_ratio, Some(1.0), "both hold it");
+            held_by_both.insert(again.order[0].url().to_owned());
+        }
+        // Each set has both backends unless 32 replicas drew alike: 2 in 4 billion.
+        assert_eq!(new_prompt.len(), 2, "a prompt no backend holds");
+        assert_eq!(held_by_both.len(), 2, "a prompt both backends hold");
     }
 }
