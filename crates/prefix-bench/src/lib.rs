@@ -150,6 +150,10 @@ pub struct CompareArgs {
         allow_hyphen_values = true
     )]
     pub queue_args: String,
+    /// Our routers' log filter (`--log` of `serve`; each router logs to its own file in
+    /// `--out`), e.g. `warn,prefix_router::decision=debug` to keep every routing decision.
+    #[arg(long, default_value = "warn")]
+    pub router_log: String,
 }
 
 fn default_qps(kind: WorkloadKind) -> f64 {
@@ -540,6 +544,7 @@ pub async fn compare(
             .split_whitespace()
             .map(str::to_owned)
             .collect(),
+        router_log: args.router_log.clone(),
     };
     let workload = workload_name(&args.workload);
     let mut results = Vec::new();

@@ -134,6 +134,8 @@ pub struct LaunchContext {
     pub balance_rel: f64,
     /// The gateway-queue flags of the `+queue` systems.
     pub queue_args: Vec<String>,
+    /// Our routers' `--log` filter.
+    pub router_log: String,
 }
 
 /// A running system.
@@ -222,7 +224,7 @@ impl LaunchContext {
             "--policy".into(),
             policy.into(),
             "--log".into(),
-            "warn".into(),
+            self.router_log.clone(),
             "--cache-threshold".into(),
             self.cache_threshold.to_string(),
             "--balance-abs".into(),

@@ -270,8 +270,19 @@ fn own_load(core: &Core) -> Vec<wire::Load> {
             inflight: b.inflight.load(Relaxed),
             waiting_first_byte: b.waiting_first_byte.load(Relaxed),
             queued_prefill_tokens: b.queued_prefill_tokens.load(Relaxed),
+            queue_moved_ms_ago: Some(b.queue_moved_ago().as_millis() as u64),
         })
         .collect()
+}
+
+/// Whether two load tables hold the same counts (the queues' ages grow by themselves; they
+/// move only with the counts, so they alone are no reason to publish).
+fn same_counts(a: &[wire::Load], b: &[wire::Load]) -> bool {
+    let counts = |l: &wire::Load| wire::Load {
+        queue_moved_ms_ago: None,
+        ..*l
+    };
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| counts(x) == counts(y))
 }
 
 /// Batches the outbox's decisions with this replica's load and publishes them.
@@ -335,7 +346,9 @@ async fn publish(
         };
         let load = own_load(&core);
         drop(core);
-        let load_changed = told_load.as_ref() != Some(&load);
+        let load_changed = told_load
+            .as_ref()
+            .is_none_or(|told| !same_counts(told, &load));
         if idle && !load_changed {
             idle_ticks = idle_ticks.saturating_add(1);
         } else {
@@ -486,6 +499,8 @@ fn set_remote_load(core: &Core, peers: &PeerLoads) {
         b.remote
             .queued_prefill_tokens
             .store(t.queued_prefill_tokens, Relaxed);
+        b.remote
+            .set_queue_moved_ago(t.queue_moved_at.map(|at| at.elapsed()));
     }
 }
 

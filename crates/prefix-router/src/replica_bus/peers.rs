@@ -13,11 +13,15 @@ pub struct Totals {
     pub inflight: u64,
     pub waiting_first_byte: u64,
     pub queued_prefill_tokens: u64,
+    /// The latest time a peer saw the backend's prefill queue move.
+    pub queue_moved_at: Option<Instant>,
 }
 
 struct Peer {
     heard: Instant,
     load: Vec<Load>,
+    /// When `load` came: its queues' ages count from then.
+    told: Instant,
 }
 
 /// The peers' load tables. Times are arguments, so tests need no clock.
@@ -32,10 +36,12 @@ impl PeerLoads {
         let peer = self.peers.entry(replica).or_insert_with(|| Peer {
             heard: now,
             load: Vec::new(),
+            told: now,
         });
         peer.heard = peer.heard.max(now);
         if let Some(load) = load {
             peer.load = load;
+            peer.told = now;
         }
     }
 
@@ -55,8 +61,16 @@ impl PeerLoads {
     /// The live peers' load summed per backend.
     pub fn totals(&self) -> HashMap<u64, Totals> {
         let mut out: HashMap<u64, Totals> = HashMap::new();
-        for load in self.peers.values().flat_map(|p| &p.load) {
+        for (told, load) in self
+            .peers
+            .values()
+            .flat_map(|p| p.load.iter().map(|l| (p.told, l)))
+        {
             let t = out.entry(load.backend).or_default();
+            let moved = load
+                .queue_moved_ms_ago
+                .and_then(|ago| told.checked_sub(Duration::from_millis(ago)));
+            t.queue_moved_at = t.queue_moved_at.max(moved);
             t.inflight = t.inflight.saturating_add(load.inflight);
             t.waiting_first_byte = t.waiting_first_byte.saturating_add(load.waiting_first_byte);
             t.queued_prefill_tokens = t
@@ -77,6 +91,7 @@ mod tests {
             inflight,
             waiting_first_byte: inflight,
             queued_prefill_tokens: 100 * inflight,
+            queue_moved_ms_ago: None,
         }
     }
 
@@ -93,6 +108,30 @@ mod tests {
         peers.heard(2, None, t0);
         assert_eq!(peers.totals()[&10].inflight, 3);
         assert!(!peers.totals().contains_key(&11));
+    }
+
+    #[test]
+    fn a_queue_moved_when_the_latest_peer_saw_it_move() {
+        let t0 = Instant::now() + Duration::from_secs(10);
+        let mut peers = PeerLoads::default();
+        let moved = |ago| Load {
+            queue_moved_ms_ago: Some(ago),
+            ..load(10, 1)
+        };
+        peers.heard(1, Some(vec![moved(300)]), t0);
+        peers.heard(2, Some(vec![moved(50)]), t0 + Duration::from_millis(100));
+        peers.heard(3, Some(vec![load(10, 1)]), t0);
+        // Peer 1 saw it move at t0 - 300 ms, peer 2 at t0 + 50 ms; peer 3 does not say.
+        assert_eq!(
+            peers.totals()[&10].queue_moved_at,
+            Some(t0 + Duration::from_millis(50))
+        );
+        // A heartbeat without a table keeps the table's time.
+        peers.heard(2, None, t0 + Duration::from_secs(1));
+        assert_eq!(
+            peers.totals()[&10].queue_moved_at,
+            Some(t0 + Duration::from_millis(50))
+        );
     }
 
     #[test]

@@ -31,6 +31,12 @@ pub struct Load {
     pub inflight: u64,
     pub waiting_first_byte: u64,
     pub queued_prefill_tokens: u64,
+    /// Milliseconds since this replica last saw the backend's prefill queue move (a first
+    /// byte, a request leaving without one, or a queue forming where none waited), as of
+    /// sending: the others' stall clocks start from it. An age, not a time, so that replicas'
+    /// clocks need not agree. None from replicas before it.
+    #[serde(default)]
+    pub queue_moved_ms_ago: Option<u64>,
 }
 
 /// What one replica publishes every few milliseconds.
@@ -129,6 +135,7 @@ mod tests {
                 inflight: 2,
                 waiting_first_byte: 1,
                 queued_prefill_tokens: 900,
+                queue_moved_ms_ago: Some(40),
             }]),
             unhealthy: vec![5],
         }
