@@ -426,6 +426,7 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
             inflight: u64::MAX,
             waiting_first_byte: u64::MAX,
             queued_prefill_tokens: u64::MAX,
+            queue_moved_ms_ago: Some(u64::MAX),
         }]),
         unhealthy: vec![12345],
     });

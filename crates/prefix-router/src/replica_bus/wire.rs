@@ -146,6 +146,43 @@ mod tests {
         assert_eq!(decode::<Batch>(&encode(&batch())), Ok(batch()));
     }
 
+    /// A load table as replicas sent it before they said when their queues moved.
+    #[derive(Serialize)]
+    struct EarlierLoad {
+        backend: u64,
+        inflight: u64,
+        waiting_first_byte: u64,
+        queued_prefill_tokens: u64,
+    }
+
+    #[derive(Serialize)]
+    struct EarlierBatch {
+        replica: u64,
+        seq: u64,
+        sent: Vec<Sent>,
+        load: Option<Vec<EarlierLoad>>,
+        unhealthy: Vec<u64>,
+    }
+
+    #[test]
+    fn an_earlier_replicas_batch_is_read_without_the_queue_age() {
+        let earlier = EarlierBatch {
+            replica: 7,
+            seq: 3,
+            sent: batch().sent,
+            load: Some(vec![EarlierLoad {
+                backend: 5,
+                inflight: 2,
+                waiting_first_byte: 1,
+                queued_prefill_tokens: 900,
+            }]),
+            unhealthy: vec![5],
+        };
+        let mut expected = batch();
+        expected.load.as_mut().unwrap()[0].queue_moved_ms_ago = None;
+        assert_eq!(decode::<Batch>(&encode(&earlier)), Ok(expected));
+    }
+
     #[test]
     fn repeated_prefixes_compress() {
         let shared: Vec<u64> = (0..64u64)
