@@ -49,8 +49,9 @@ pub struct RequestInput<'a> {
     pub released_under: Option<&'a admission::Bounds>,
 }
 
-/// A random counter start, from the OS's randomness (std's hash keys).
-fn random_start() -> u64 {
+/// A random number from the OS's randomness (std's randomly keyed hasher): a replica's id,
+/// a decision counter's start.
+pub fn random_u64() -> u64 {
     use std::hash::BuildHasher;
     std::collections::hash_map::RandomState::new().hash_one(0u8)
 }
@@ -151,7 +152,7 @@ impl Core {
             events: events.map(|e| events::KvEvents::new(e.events, registry)),
             policy: policy::build(policy),
             least_loaded: policy::LeastLoaded,
-            turn: AtomicU64::new(random_start()),
+            turn: AtomicU64::new(random_u64()),
             settings,
             metrics: CoreMetrics::register(registry),
             pending_drops: Default::default(),

@@ -147,16 +147,6 @@ fn now_ms() -> u64 {
     Tick::from_secs(now_secs()).millis()
 }
 
-/// A random id for this replica (process, time and address of a stack value hashed).
-fn replica_id() -> u64 {
-    let marker = 0u8;
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let seed = format!("{}:{nanos}:{:p}", std::process::id(), &marker);
-    xxhash_rust::xxh3::xxh3_64(seed.as_bytes())
-}
-
 impl ReplicaBus {
     /// Connects to the bus in the background (a bus that is down at start is retried; the
     /// router serves meanwhile) and starts publishing and applying.
@@ -171,7 +161,7 @@ impl ReplicaBus {
              keeps them alike (a shared --store or --index-url is the other way to share one)"
         );
         let metrics = Arc::new(BusMetrics::register(registry));
-        let replica = replica_id();
+        let replica = crate::core::random_u64();
         let bus = Arc::new(Self {
             replica,
             metrics: metrics.clone(),

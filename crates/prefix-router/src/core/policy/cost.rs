@@ -22,9 +22,9 @@
 //! Near-equal costs (within 5 % or 2 ms) are not decided by position: the request goes to one
 //! of them drawn by a hash of its turn, so a burst of equal requests spreads as soon as one
 //! backend's queue makes it slower, and replicas with the same view (each counting its own
-//! turns from a random start) seldom pick alike. A prompt no backend holds goes to the least loaded of them
-//! (waiting for a first byte, in flight, index entries; in turn among equals): its later
-//! requests will follow it there.
+//! turns from a random start) seldom pick alike. A prompt no backend holds goes to the least
+//! loaded of them (waiting for a first byte, in flight, index entries; in turn among equals):
+//! its later requests will follow it there.
 
 use xxhash_rust::xxh3::xxh3_64;
 
