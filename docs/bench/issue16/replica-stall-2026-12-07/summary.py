@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """Prints, per workload and round, hit rate / TTFT p99 / mean / imbalance of `cost+replicas`
-before (old) and after (new) the shared stall clock, and of one `cost` router in the new run,
-from DIR/*/results.md (DIR: sims, or vllm); then each line's mean TTFT over the rounds."""
+through the binary before (old-*) and after (new-*), and of one `cost` router where the new run
+has it, from DIR/*/results.md, and each line's mean TTFT over the rounds. DIR: `sims` or `vllm`
+beside this script, or any folder of old-*/new-* runs (the random-start A/B:
+docs/bench/issue16/replica-turns-2026-12-07/sims)."""
 import glob, os, re, statistics, sys
 here = os.path.dirname(os.path.abspath(__file__))
 sub = sys.argv[1] if len(sys.argv) > 1 else "sims"
+sub = sub if os.path.isdir(sub) else os.path.join(here, sub)
 rows = {}
-for path in sorted(glob.glob(os.path.join(here, sub, "*", "results.md"))):
+for path in sorted(glob.glob(os.path.join(sub, "*", "results.md"))):
     m = re.match(r"(old|new)-(.+?)(-\d)?$", os.path.basename(os.path.dirname(path)))
     if not m:
         continue

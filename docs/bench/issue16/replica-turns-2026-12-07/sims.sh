@@ -5,6 +5,7 @@
 # Needs a NATS server at 127.0.0.1:4222. OUT: where the data go (OUT/old-W, OUT/new-W);
 # WORKLOADS (default: bursty shared-prefix prefix-repetition multi-turn); RUN=-2 ... for rounds.
 # Usage: OLD=EXE NEW=EXE OUT=DIR docs/bench/issue16/replica-turns-2026-12-07/sims.sh
+# Summary: python3 docs/bench/issue16/replica-stall-2026-12-07/summary.py OUT
 set -u
 s='--sim-servers 8 --sim-args "--kv-blocks 3000" --overhead-requests 0 --throughput-secs 0'
 s="$s --replica-bus nats://127.0.0.1:4222 --systems cost+replicas"
