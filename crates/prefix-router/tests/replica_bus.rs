@@ -1,6 +1,7 @@
 //! Router replicas sharing decisions and load over a real NATS server (`nats-server`, started
 //! by each test on a free loopback port so that it can be killed and restarted): what one
-//! replica learns another routes by, load held through one shapes the other's choice, a bus
+//! replica learns another routes by, load held through one shapes the other's choice, the
+//! backends' prefill lines are learned from every replica's answers, a bus
 //! outage loses no request and the replicas converge again, a new replica catches up from a
 //! peer's snapshot, and foreign or broken messages are counted and ignored.
 
@@ -267,6 +268,72 @@ async fn load_held_through_one_replica_steers_the_other() {
     assert!(eventually(5, || async { sim0.remote.inflight.load(Relaxed) == 0 }).await);
 }
 
+/// Sends a streamed completion through `router` and reads it to the end.
+async fn stream(router: &str, prompt: &str) -> u16 {
+    let response = reqwest::Client::new()
+        .post(format!("{router}/v1/completions"))
+        .json(&json!({"model": "sim-model", "prompt": prompt, "max_tokens": 4, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    response.bytes().await.unwrap();
+    status
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_learns_the_backends_prefill_from_a_peers_answers() {
+    let Some(nats) = Nats::start().await else {
+        return;
+    };
+    let sims = fleet(slow(), 2).await;
+    let urls = sims.urls();
+    let (a, gw_a) = replica(&urls, &nats.url(), &[]).await;
+    let (b, gw_b) = replica(&urls, &nats.url(), &[]).await;
+    until_connected(&[&a.url(), &b.url()]).await;
+    // Answers of several sizes through A alone; B serves nothing.
+    for i in 0..12u64 {
+        assert_eq!(
+            stream(&a.url(), &text(300 + i, 500 + 700 * (i % 4) as usize)).await,
+            200
+        );
+    }
+    let learned = |gw: &prefix_router::serve::Gateway| -> Vec<u64> {
+        urls.iter()
+            .map(|u| backend_of(gw, u).prefill.observations())
+            .collect()
+    };
+    assert_eq!(learned(&gw_a).iter().sum::<u64>(), 12);
+    assert!(
+        eventually(5, || async { learned(&gw_b) == learned(&gw_a) }).await,
+        "B learned {:?} of A's {:?}",
+        learned(&gw_b),
+        learned(&gw_a)
+    );
+    assert_eq!(
+        metric(
+            &b.url(),
+            "prefix_router_replica_bus_first_bytes_total",
+            "received"
+        )
+        .await,
+        12.0
+    );
+    // From the same answers, the same lines (the bus rounds times to microseconds).
+    for u in urls
+        .iter()
+        .filter(|u| backend_of(&gw_a, u).prefill.observations() > 0)
+    {
+        let (la, lb) = (
+            backend_of(&gw_a, u).prefill.line(),
+            backend_of(&gw_b, u).prefill.line(),
+        );
+        let (ta, tb) = (la.ttft(2_000), lb.ttft(2_000));
+        assert!((ta - tb).abs() <= 1e-3 * ta, "{u}: A {la:?}, B {lb:?}");
+        assert_ne!(la, prefix_router::core::prefill::PrefillLine::default());
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bus_outage_loses_no_request_and_the_replicas_converge_again() {
     let Some(mut nats) = Nats::start().await else {
@@ -399,7 +466,7 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
         return;
     };
     let sims = fleet(instant(), 2).await;
-    let (a, _) = replica(&sims.urls(), &nats.url(), &[]).await;
+    let (a, gw_a) = replica(&sims.urls(), &nats.url(), &[]).await;
     until_connected(&[&a.url()]).await;
     let client = async_nats::connect(nats.url()).await.unwrap();
     let mut bomb = wire::TAG.to_vec();
@@ -410,6 +477,7 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
         sent: vec![],
         load: None,
         unhealthy: vec![],
+        first_bytes: vec![],
     });
     truncated.truncate(6);
     let unknown_backend = wire::encode(&wire::Batch {
@@ -429,6 +497,25 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
             queue_moved_ms_ago: Some(u64::MAX),
         }]),
         unhealthy: vec![12345],
+        first_bytes: vec![wire::FirstByte {
+            backend: 12345,
+            ..Default::default()
+        }],
+    });
+    let sim0 = backend_of(&gw_a, &sims.urls()[0]);
+    let implausible = wire::encode(&wire::Batch {
+        replica: 3,
+        seq: 1,
+        sent: vec![],
+        load: None,
+        unhealthy: vec![],
+        first_bytes: vec![wire::FirstByte {
+            backend: sim0.id,
+            work: u64::MAX,
+            uncached: 10,
+            ttft_us: 1_000,
+            ..Default::default()
+        }],
     });
     for payload in [
         b"{\"hello\": \"world\"}".to_vec(),
@@ -436,6 +523,7 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
         truncated,
         wire::encode(&("not", "a", "batch")),
         unknown_backend,
+        implausible,
     ] {
         client.publish("test-fleet", payload.into()).await.unwrap();
     }
@@ -444,8 +532,10 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
         let url = a.url();
         async move { metric(&url, "prefix_router_replica_bus_rejected_total", reason).await }
     };
-    // One decision and one health report name a backend A does not have.
-    assert!(eventually(5, || async { rejected("unknown_backend").await == 2.0 }).await);
+    // One decision, one health report and one first byte name a backend A does not have.
+    assert!(eventually(5, || async { rejected("unknown_backend").await == 3.0 }).await);
+    assert_eq!(rejected("implausible").await, 1.0);
+    assert_eq!(sim0.prefill.observations(), 0, "nothing learned from it");
     assert_eq!(rejected("foreign").await, 1.0);
     assert_eq!(rejected("too_large").await, 1.0);
     assert_eq!(rejected("compression").await, 1.0);

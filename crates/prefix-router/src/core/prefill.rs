@@ -87,6 +87,22 @@ impl PrefillLine {
     }
 }
 
+/// What one streamed request's first byte says about its backend's prefill: enough to learn
+/// the line from and to recompute the prediction through any line, so that router replicas
+/// can learn from each other's answers (each alone sees only its share of them).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FirstByte {
+    /// Prompt tokens the backend computed before it: the queue ahead and its own.
+    pub work: u64,
+    /// Of those, its own.
+    pub uncached: u64,
+    pub ttft_s: f64,
+    /// How long the queue ahead had been worked on when it was sent.
+    pub under_way_s: f64,
+    /// The backend's KV-cache usage (0..1) when it was sent.
+    pub kv_usage: f64,
+}
+
 /// Exponentially weighted sums of (work, ttft), the line fitted through them, and the
 /// calibration applied to it.
 struct Sums {

@@ -27,6 +27,7 @@ pub struct BusMetrics {
     pub messages: Family<DirectionLabels, Counter>,
     pub bytes: Family<DirectionLabels, Counter>,
     pub decisions: Family<DirectionLabels, Counter>,
+    pub first_bytes: Family<DirectionLabels, Counter>,
     pub dropped: Family<ReasonLabels, Counter>,
     pub rejected: Family<ReasonLabels, Counter>,
     pub snapshots: Family<OutcomeLabels, Counter>,
@@ -43,6 +44,7 @@ impl BusMetrics {
             messages: Family::default(),
             bytes: Family::default(),
             decisions: Family::default(),
+            first_bytes: Family::default(),
             dropped: Family::default(),
             rejected: Family::default(),
             snapshots: Family::default(),
@@ -77,13 +79,18 @@ impl BusMetrics {
             m.decisions.clone(),
         );
         r.register(
+            "first_bytes",
+            "First bytes (TTFT observations) published (sent) and learned from peers (received)",
+            m.first_bytes.clone(),
+        );
+        r.register(
             "dropped",
             "Decisions not published: outbox_full (the bus is slower than the router), disconnected, publish_failed",
             m.dropped.clone(),
         );
         r.register(
             "rejected",
-            "Messages or decisions read and not applied: foreign, too_large, compression, malformed, unknown_backend",
+            "Messages, decisions or first bytes read and not applied: foreign, too_large, compression, malformed, unknown_backend, implausible",
             m.rejected.clone(),
         );
         r.register(
@@ -108,7 +115,7 @@ impl BusMetrics {
         );
         // Every series exists from the start at zero (dashboards, alerts on rates).
         for direction in ["sent", "received"] {
-            for family in [&m.messages, &m.bytes, &m.decisions] {
+            for family in [&m.messages, &m.bytes, &m.decisions, &m.first_bytes] {
                 drop(family.get_or_create(&DirectionLabels { direction }));
             }
         }
@@ -121,6 +128,7 @@ impl BusMetrics {
             "compression",
             "malformed",
             "unknown_backend",
+            "implausible",
         ] {
             drop(m.rejected.get_or_create(&ReasonLabels { reason }));
         }

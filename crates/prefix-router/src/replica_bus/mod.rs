@@ -6,9 +6,10 @@
 //!   awaited); a publisher task batches decisions every [`FLUSH_EVERY`] with this replica's
 //!   load table and publishes one compressed frame ([`wire`]).
 //! - A reader applies the peers' frames to the same local state the router's own decisions
-//!   feed: the string index (notify at the peer's time), block credits in precise mode, and
+//!   feed: the string index (notify at the peer's time), block credits in precise mode,
 //!   each backend's [`crate::core::backend::RemoteLoad`] (the sum of the live peers' tables;
-//!   a peer silent for [`PEER_SILENCE`] is forgotten).
+//!   a peer silent for [`PEER_SILENCE`] is forgotten), and each backend's prefill line (the
+//!   peers' first bytes, learned as if seen here).
 //! - On every (re)connection a replica asks a peer for its string index
 //!   (`SUBJECT.snapshot`, answered in parts to an inbox) and merges it; until then, and
 //!   while the bus is down, it routes from what it has. Nothing waits on the bus: its failure
@@ -32,6 +33,7 @@ use tokio::sync::mpsc;
 
 use crate::core::backend::Backend;
 use crate::core::matches::PromptKey;
+use crate::core::prefill::FirstByte;
 use crate::core::{Core, LocalEvents};
 use metrics::BusMetrics;
 use peers::PeerLoads;
@@ -87,6 +89,7 @@ pub struct ReplicaBus {
 enum Outgoing {
     Sent(wire::Sent),
     Unhealthy(u64),
+    FirstByte(wire::FirstByte),
 }
 
 /// Hands decisions and health changes to the publisher without waiting, and without waking
@@ -140,6 +143,12 @@ impl LocalEvents for Outbox {
 
     fn backend_unhealthy(&self, backend: &Backend) {
         self.hand(Outgoing::Unhealthy(backend.id));
+    }
+
+    fn first_byte(&self, backend: &Backend, seen: FirstByte) {
+        self.hand(Outgoing::FirstByte(wire::FirstByte::from_seen(
+            backend.id, &seen,
+        )));
     }
 }
 
@@ -275,6 +284,28 @@ fn same_counts(a: &[wire::Load], b: &[wire::Load]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| counts(x) == counts(y))
 }
 
+/// What the outbox handed since the last frame.
+#[derive(Default)]
+struct Said {
+    sent: Vec<wire::Sent>,
+    unhealthy: Vec<u64>,
+    first_bytes: Vec<wire::FirstByte>,
+}
+
+impl Said {
+    fn take(&mut self, out: Outgoing) {
+        match out {
+            Outgoing::Sent(s) => self.sent.push(s),
+            Outgoing::Unhealthy(id) => self.unhealthy.push(id),
+            Outgoing::FirstByte(f) => self.first_bytes.push(f),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.sent.len() + self.unhealthy.len() + self.first_bytes.len()
+    }
+}
+
 /// Batches the outbox's decisions with this replica's load and publishes them.
 async fn publish(
     client: async_nats::Client,
@@ -286,18 +317,13 @@ async fn publish(
     let metrics = &bus.metrics;
     let mut tick = tokio::time::interval(FLUSH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut sent = Vec::new();
-    let mut unhealthy = Vec::new();
+    let mut said = Said::default();
     let mut told_load: Option<Vec<wire::Load>> = None;
     let mut told_at = Instant::now();
     let mut seq = 0u64;
     let mut idle_ticks = 0u32;
-    let take = |out: Outgoing, sent: &mut Vec<wire::Sent>, unhealthy: &mut Vec<u64>| match out {
-        Outgoing::Sent(s) => sent.push(s),
-        Outgoing::Unhealthy(id) => unhealthy.push(id),
-    };
     loop {
-        let handed = sent.len() + unhealthy.len();
+        let handed = said.len();
         let nothing_here = told_load
             .as_ref()
             .is_some_and(|l| l.iter().all(|l| l.inflight == 0));
@@ -306,7 +332,7 @@ async fn publish(
             std::sync::atomic::fence(SeqCst);
             // Handed before the flag could be seen: not left waiting for the sleep to end.
             match outbox.try_recv() {
-                Ok(out) => take(out, &mut sent, &mut unhealthy),
+                Ok(out) => said.take(out),
                 Err(std::sync::mpsc::TryRecvError::Empty) => {
                     let sleep = tokio::time::sleep(HEARTBEAT.saturating_sub(told_at.elapsed()));
                     tokio::select! {
@@ -324,13 +350,13 @@ async fn publish(
         }
         loop {
             match outbox.try_recv() {
-                Ok(out) => take(out, &mut sent, &mut unhealthy),
+                Ok(out) => said.take(out),
                 Err(std::sync::mpsc::TryRecvError::Empty) => break,
                 // The core (which holds the sender) is gone.
                 Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
             }
         }
-        let idle = sent.len() + unhealthy.len() == handed;
+        let idle = said.len() == handed;
         let Some(core) = core.upgrade() else {
             return;
         };
@@ -344,20 +370,22 @@ async fn publish(
         } else {
             idle_ticks = 0;
         }
-        if sent.is_empty() && unhealthy.is_empty() && !load_changed && told_at.elapsed() < HEARTBEAT
-        {
+        if said.len() == 0 && !load_changed && told_at.elapsed() < HEARTBEAT {
             continue;
         }
         if client.connection_state() != State::Connected {
-            metrics.drop_decisions("disconnected", sent.len() as u64);
-            sent.clear();
-            unhealthy.clear();
+            metrics.drop_decisions("disconnected", said.sent.len() as u64);
+            said = Said::default();
             told_load = None;
             continue;
         }
         let mut load = Some(load);
-        let mut unhealthy = std::mem::take(&mut unhealthy);
-        let mut rest = std::mem::take(&mut sent).into_iter().peekable();
+        let Said {
+            sent,
+            mut unhealthy,
+            mut first_bytes,
+        } = std::mem::take(&mut said);
+        let mut rest = sent.into_iter().peekable();
         // One frame at least (the load table, a heartbeat), more when the decisions are many.
         loop {
             let mut frame_sent = Vec::new();
@@ -377,12 +405,14 @@ async fn publish(
             }
             seq += 1;
             let decisions = frame_sent.len() as u64;
+            let told_first_bytes = first_bytes.len() as u64;
             let frame = wire::encode(&wire::Batch {
                 replica: bus.replica,
                 seq,
                 sent: frame_sent,
                 load: load.clone(),
                 unhealthy: std::mem::take(&mut unhealthy),
+                first_bytes: std::mem::take(&mut first_bytes),
             });
             let bytes = frame.len() as u64;
             match client.publish(subject.clone(), Bytes::from(frame)).await {
@@ -390,6 +420,7 @@ async fn publish(
                     metrics.count(&metrics.messages, "sent", 1);
                     metrics.count(&metrics.bytes, "sent", bytes);
                     metrics.count(&metrics.decisions, "sent", decisions);
+                    metrics.count(&metrics.first_bytes, "sent", told_first_bytes);
                     if let Some(load) = load.take() {
                         told_load = Some(load);
                         told_at = Instant::now();
@@ -460,6 +491,19 @@ async fn apply(mut batches: async_nats::Subscriber, core: Weak<Core>, bus: Arc<R
                 }
                 Some(_) => {}
                 None => metrics.reject("unknown_backend"),
+            }
+        }
+        for first_byte in batch.first_bytes {
+            let Some(backend) = core.backend(first_byte.backend) else {
+                metrics.reject("unknown_backend");
+                continue;
+            };
+            match first_byte.seen() {
+                Some(seen) => {
+                    core.peer_first_byte(&backend, seen);
+                    metrics.count(&metrics.first_bytes, "received", 1);
+                }
+                None => metrics.reject("implausible"),
             }
         }
         let latest = now_ms() + MAX_CLOCK_AHEAD_MS;

@@ -39,6 +39,54 @@ pub struct Load {
     pub queue_moved_ms_ago: Option<u64>,
 }
 
+/// A streamed request's first byte, as [`crate::core::prefill::FirstByte`] (times in
+/// microseconds, KV usage in millionths: integers, so no NaN crosses the bus).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FirstByte {
+    pub backend: u64,
+    pub work: u64,
+    pub uncached: u64,
+    pub ttft_us: u64,
+    pub under_way_us: u64,
+    pub kv_usage_ppm: u32,
+}
+
+/// The most prompt tokens an observation may claim (a hundred times the longest contexts
+/// served today): beyond, it is a broken or hostile peer's, and would wreck the line.
+const MAX_WORK: u64 = 1 << 27;
+/// The longest TTFT (or queue under way) an observation may claim.
+const MAX_SECONDS_US: u64 = 3_600_000_000;
+
+impl FirstByte {
+    pub fn from_seen(backend: u64, seen: &crate::core::prefill::FirstByte) -> Self {
+        let us = |s: f64| (s.max(0.0) * 1e6).round() as u64;
+        Self {
+            backend,
+            work: seen.work,
+            uncached: seen.uncached,
+            ttft_us: us(seen.ttft_s),
+            under_way_us: us(seen.under_way_s),
+            kv_usage_ppm: (seen.kv_usage.clamp(0.0, 1.0) * 1e6).round() as u32,
+        }
+    }
+
+    /// The observation, if it is one a backend could have produced.
+    pub fn seen(&self) -> Option<crate::core::prefill::FirstByte> {
+        let plausible = self.work <= MAX_WORK
+            && self.uncached <= self.work
+            && self.ttft_us <= MAX_SECONDS_US
+            && self.under_way_us <= MAX_SECONDS_US
+            && self.kv_usage_ppm <= 1_000_000;
+        plausible.then(|| crate::core::prefill::FirstByte {
+            work: self.work,
+            uncached: self.uncached,
+            ttft_s: self.ttft_us as f64 / 1e6,
+            under_way_s: self.under_way_us as f64 / 1e6,
+            kv_usage: f64::from(self.kv_usage_ppm) / 1e6,
+        })
+    }
+}
+
 /// What one replica publishes every few milliseconds.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Batch {
@@ -51,6 +99,9 @@ pub struct Batch {
     /// Backends it just found unhealthy.
     #[serde(default)]
     pub unhealthy: Vec<u64>,
+    /// First bytes it saw, for the others' prefill lines. Empty from replicas before it.
+    #[serde(default)]
+    pub first_bytes: Vec<FirstByte>,
 }
 
 /// A server's index entries in a snapshot: `(server, [(hash, depth, last_used ms)])`.
@@ -138,6 +189,14 @@ mod tests {
                 queue_moved_ms_ago: Some(40),
             }]),
             unhealthy: vec![5],
+            first_bytes: vec![FirstByte {
+                backend: 5,
+                work: 2_300,
+                uncached: 100,
+                ttft_us: 41_000,
+                under_way_us: 7_000,
+                kv_usage_ppm: 250_000,
+            }],
         }
     }
 
@@ -180,7 +239,52 @@ mod tests {
         };
         let mut expected = batch();
         expected.load.as_mut().unwrap()[0].queue_moved_ms_ago = None;
+        expected.first_bytes.clear();
         assert_eq!(decode::<Batch>(&encode(&earlier)), Ok(expected));
+    }
+
+    #[test]
+    fn a_first_byte_crosses_the_bus_as_seen() {
+        let seen = crate::core::prefill::FirstByte {
+            work: 2_300,
+            uncached: 100,
+            ttft_s: 0.041,
+            under_way_s: 0.007,
+            kv_usage: 0.25,
+        };
+        let sent = FirstByte::from_seen(5, &seen);
+        let back = decode::<FirstByte>(&encode(&sent)).unwrap().seen().unwrap();
+        assert_eq!(back, seen);
+    }
+
+    #[test]
+    fn an_implausible_first_byte_is_not_learned() {
+        let fine = batch().first_bytes[0];
+        assert!(fine.seen().is_some());
+        for broken in [
+            FirstByte {
+                work: u64::MAX,
+                ..fine
+            },
+            FirstByte {
+                uncached: fine.work + 1,
+                ..fine
+            },
+            FirstByte {
+                ttft_us: u64::MAX,
+                ..fine
+            },
+            FirstByte {
+                under_way_us: MAX_SECONDS_US + 1,
+                ..fine
+            },
+            FirstByte {
+                kv_usage_ppm: 1_000_001,
+                ..fine
+            },
+        ] {
+            assert_eq!(broken.seen(), None, "{broken:?}");
+        }
     }
 
     #[test]

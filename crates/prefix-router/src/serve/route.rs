@@ -18,7 +18,8 @@ use crate::api_error::ApiError;
 use crate::core::admission::{Permit, Refused, Ticket};
 use crate::core::backend::{Backend, InflightGuard};
 use crate::core::matches::PromptKey;
-use crate::core::policy::{prefill_work, ttft_after_queue, CandidateRow};
+use crate::core::policy::{prefill_work, ttft_after_queue};
+use crate::core::prefill::FirstByte;
 use crate::core::RequestInput;
 use crate::json_body::read_body;
 use crate::tenants::{Limited, Tenant, TenantGuard};
@@ -528,16 +529,16 @@ pub(crate) async fn begin_attempt(
                 "first byte"
             );
             gw2.metrics.observe_ttft(&b2, ttft, predicted);
-            b2.prefill.learn(work, ttft, row.stalled_secs, |line| {
-                ttft_after_queue(
-                    &CandidateRow {
-                        prefill: line,
-                        ..row
-                    },
+            gw2.core.first_byte(
+                &b2,
+                FirstByte {
                     work,
                     uncached,
-                )
-            });
+                    ttft_s: ttft,
+                    under_way_s: row.stalled_secs,
+                    kv_usage: row.kv_usage,
+                },
+            );
         }));
     }
     backend.routed.fetch_add(1, Relaxed);
