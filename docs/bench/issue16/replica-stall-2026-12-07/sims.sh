@@ -4,11 +4,12 @@
 # `cost,cost+replicas` through NEW (a queue is worked on from when it formed, whichever replica
 # sent to it; one router beside them for reference), per workload, on 8 sims (`--kv-blocks
 # 3000`). Needs a NATS server at 127.0.0.1:4222. OUT: where the data go (OUT/old-W, OUT/new-W);
-# WORKLOADS (default: shared-prefix bursty prefix-repetition multi-turn); RUN=-2 ... for rounds.
+# WORKLOADS (default: shared-prefix bursty prefix-repetition multi-turn); RUN=-2 ... for rounds;
+# EXTRA: more flags for every run (the first-bytes A/B: its decision logs).
 # Usage: OLD=EXE NEW=EXE OUT=DIR docs/bench/issue16/replica-stall-2026-12-07/sims.sh
 set -u
 s='--sim-servers 8 --sim-args "--kv-blocks 3000" --overhead-requests 0 --throughput-secs 0'
-s="$s --replica-bus nats://127.0.0.1:4222"
+s="$s --replica-bus nats://127.0.0.1:4222 ${EXTRA:-}"
 for w in ${WORKLOADS:-shared-prefix bursty prefix-repetition multi-turn}; do
   eval "\"$OLD\" bench compare --workload $w $s --systems cost+replicas --out $OUT/old-$w${RUN:-}"
   eval "\"$NEW\" bench compare --workload $w $s --systems cost,cost+replicas --out $OUT/new-$w${RUN:-}"
