@@ -134,6 +134,26 @@ impl PrefixHasher {
         }
         PrefixHashes(out)
     }
+
+    /// The last hash of the chain of `bytes[..len]`, from `chain` (the chain of `bytes`) and at
+    /// most one chunk's hashing: whether a string is a prefix of another, known by this hash
+    /// and its length, costs the longer's chain and a few bytes. None if `len` is 0 or beyond
+    /// `bytes`, or `chain` is not as long as its full chunks need.
+    pub fn last_hash_of_prefix(&self, chain: &[u64], bytes: &[u8], len: usize) -> Option<u64> {
+        if len == 0 || len > bytes.len() {
+            return None;
+        }
+        let full = len / self.chunk_size;
+        let tail = &bytes[full * self.chunk_size..len];
+        if tail.is_empty() {
+            return chain.get(full - 1).copied();
+        }
+        if full == 0 {
+            return Some(xxh3_64_with_seed(tail, self.seed));
+        }
+        let (first, prev) = (*chain.first()?, *chain.get(full - 1)?);
+        Some((xxh3_64_with_seed(tail, prev) & !SHARD_MASK) | (first & SHARD_MASK))
+    }
 }
 
 #[cfg(test)]
@@ -148,6 +168,23 @@ mod tests {
     fn empty_request_has_no_chunks() {
         assert!(hasher(4).hash(b"").is_empty());
         assert_eq!(hasher(4).chunk_count(0), 0);
+    }
+
+    #[test]
+    fn the_last_hash_of_a_prefix_is_its_chains_last() {
+        let h = hasher(4);
+        let bytes = b"abcdefghijklm";
+        let chain = h.hash(bytes);
+        for len in 1..=bytes.len() {
+            assert_eq!(
+                h.last_hash_of_prefix(chain.as_slice(), bytes, len),
+                h.hash(&bytes[..len]).as_slice().last().copied(),
+                "{len}"
+            );
+        }
+        assert_eq!(h.last_hash_of_prefix(chain.as_slice(), bytes, 0), None);
+        assert_eq!(h.last_hash_of_prefix(chain.as_slice(), bytes, 14), None);
+        assert_eq!(h.last_hash_of_prefix(&[], bytes, 9), None);
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! Router replicas sharing decisions and load over a real NATS server (`nats-server`, started
 //! by each test on a free loopback port so that it can be killed and restarted): what one
 //! replica learns another routes by, load held through one shapes the other's choice, the
-//! backends' prefill lines are learned from every replica's answers, a bus
+//! backends' prefill lines are learned from every replica's answers, a request continuing a
+//! prompt a peer has in flight counts that one as ended, a bus
 //! outage loses no request and the replicas converge again, a new replica catches up from a
 //! peer's snapshot, and foreign or broken messages are counted and ignored.
 
@@ -335,6 +336,63 @@ async fn a_replica_learns_the_backends_prefill_from_a_peers_answers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_continuing_a_peers_prompt_counts_that_one_as_ended() {
+    let Some(nats) = Nats::start().await else {
+        return;
+    };
+    let sims = fleet(slow(), 2).await;
+    let urls = sims.urls();
+    let (a, _) = replica(&urls, &nats.url(), &[]).await;
+    let (b, gw_b) = replica(&urls, &nats.url(), &[]).await;
+    until_connected(&[&a.url(), &b.url()]).await;
+    let continued = || {
+        let url = b.url();
+        async move { metric(&url, "prefix_router_continued_elsewhere_total", "").await }
+    };
+    // A conversation's first turn through A, answering for ~3 s.
+    let first = text(400, 3_000);
+    let held = {
+        let (url, prompt) = (a.url(), first.clone());
+        tokio::spawn(async move {
+            reqwest::Client::new()
+                .post(format!("{url}/v1/completions"))
+                .json(&json!({
+                    "model": "sim-model", "prompt": prompt, "max_tokens": 3000, "ignore_eos": true
+                }))
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+                .unwrap_or(0)
+        })
+    };
+    let busy = || {
+        urls.iter()
+            .map(|u| backend_of(&gw_b, u).remote.inflight.load(Relaxed))
+            .sum::<u64>()
+    };
+    assert!(
+        eventually(5, || async { busy() == 1 }).await,
+        "B never saw A's request"
+    );
+    // The same prompt again (a sibling) and an unrelated one continue nothing.
+    assert_eq!(complete(&b.url(), &first).await, 200);
+    assert_eq!(complete(&b.url(), &text(401, 3_000)).await, 200);
+    assert_eq!(continued().await, 0.0);
+    // The next turn, whose prompt holds the first turn's: A's request counts as ended.
+    let second = format!(
+        "{first} and the answer, then the next question {}",
+        text(402, 400)
+    );
+    assert_eq!(complete(&b.url(), &second).await, 200);
+    assert_eq!(continued().await, 1.0);
+    assert_eq!(held.await.unwrap(), 200);
+    // Once A has said it ended, there is nothing left to count as ended.
+    assert!(eventually(5, || async { busy() == 0 }).await);
+    assert_eq!(complete(&b.url(), &format!("{second} more")).await, 200);
+    assert_eq!(continued().await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bus_outage_loses_no_request_and_the_replicas_converge_again() {
     let Some(mut nats) = Nats::start().await else {
         return;
@@ -478,6 +536,7 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
         load: None,
         unhealthy: vec![],
         first_bytes: vec![],
+        ended: None,
     });
     truncated.truncate(6);
     let unknown_backend = wire::encode(&wire::Batch {
@@ -488,6 +547,7 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
             t_ms: u64::MAX,
             chunks: vec![1, 2, 3],
             blocks: None,
+            bytes: Some(u64::MAX),
         }],
         load: Some(vec![wire::Load {
             backend: 12345,
@@ -501,6 +561,10 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
             backend: 12345,
             ..Default::default()
         }],
+        ended: Some(vec![wire::Ended {
+            backend: 12345,
+            last: 1,
+        }]),
     });
     let sim0 = backend_of(&gw_a, &sims.urls()[0]);
     let implausible = wire::encode(&wire::Batch {
@@ -516,6 +580,7 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
             ttft_us: 1_000,
             ..Default::default()
         }],
+        ended: None,
     });
     for payload in [
         b"{\"hello\": \"world\"}".to_vec(),

@@ -428,6 +428,8 @@ impl RemoteLoad {
 
 /// Called with the time to first byte of a request, when it comes.
 pub type OnFirstByte = Box<dyn FnOnce(std::time::Duration) + Send + Sync>;
+/// Called when a request ends (answered, failed or cancelled alike).
+pub type OnEnd = Box<dyn FnOnce() + Send + Sync>;
 
 /// Counts a request against a backend until dropped (finished, failed or cancelled alike),
 /// so in-flight counters cannot leak.
@@ -441,6 +443,7 @@ pub struct InflightGuard {
     uncached: u64,
     sent: std::time::Instant,
     on_first_byte: Option<OnFirstByte>,
+    on_end: Option<OnEnd>,
     /// The gateway queue's dispatcher, told when this request's load eases.
     load_eased: Option<Arc<tokio::sync::Notify>>,
     /// The timer that takes a whole answer out of the prefill queue, stopped with the request.
@@ -466,6 +469,7 @@ impl InflightGuard {
             uncached,
             sent: std::time::Instant::now(),
             on_first_byte: None,
+            on_end: None,
             load_eased: None,
             prefill_timer: None,
         }
@@ -500,6 +504,11 @@ impl InflightGuard {
     /// `f` gets the time to the first byte, if it comes (not when the request fails first).
     pub fn on_first_byte(&mut self, f: OnFirstByte) {
         self.on_first_byte = Some(f);
+    }
+
+    /// `f` is called when the request ends, after its load has left the backend.
+    pub fn on_end(&mut self, f: OnEnd) {
+        self.on_end = Some(f);
     }
 
     /// The first byte of the answer arrived.
@@ -547,6 +556,9 @@ impl Drop for InflightGuard {
         self.backend.inflight.fetch_sub(1, Relaxed);
         self.backend.kv_tokens.fetch_sub(self.uncached, Relaxed);
         tell_load_eased(self.load_eased.as_deref());
+        if let Some(f) = self.on_end.take() {
+            f();
+        }
     }
 }
 

@@ -26,6 +26,7 @@ pub struct DecisionLabels {
 pub struct CoreMetrics {
     pub decisions: Family<DecisionLabels, Counter>,
     pub matched_ratio: Histogram,
+    pub continued_elsewhere: Counter,
     fleet: FleetGauges,
 }
 
@@ -54,6 +55,7 @@ impl CoreMetrics {
         let m = Self {
             decisions: Family::default(),
             matched_ratio: Histogram::new(linear_buckets(0.1, 0.1, 10)),
+            continued_elsewhere: Counter::default(),
             fleet: FleetGauges {
                 inflight: Family::default(),
                 healthy: Family::default(),
@@ -73,6 +75,11 @@ impl CoreMetrics {
             },
         };
         let f = &m.fleet;
+        r.register(
+            "prefix_router_continued_elsewhere",
+            "Requests continuing a prompt another router replica had in flight (its answer read): that request no longer counted in its backend's load here",
+            m.continued_elsewhere.clone(),
+        );
         r.register(
             "prefix_router_routing_decisions",
             "Routing decisions by policy, reason and the index that answered for the chosen backend",

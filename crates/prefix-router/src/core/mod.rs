@@ -8,6 +8,7 @@
 
 pub mod admission;
 pub mod backend;
+pub mod continued;
 pub mod events;
 pub mod matches;
 pub mod metrics;
@@ -43,6 +44,9 @@ pub struct RequestInput<'a> {
     pub session: Option<&'a str>,
     /// What the string index matches (None: route by load only).
     pub prompt: Option<&'a PromptKey>,
+    /// The request string `prompt` was made of (to tell whether it continues a prompt another
+    /// replica has in flight).
+    pub text: Option<&'a str>,
     /// Its token ids exactly as vLLM computes them, when the router could (precise mode).
     pub tokens: Option<&'a [u32]>,
     /// Let go by the gateway queue under these bounds: see [`admission::where_released_may_go`].
@@ -109,6 +113,8 @@ pub trait LocalEvents: Send + Sync {
     fn backend_unhealthy(&self, backend: &Backend);
     /// A streamed request's first byte came from `backend` (its line learned from it).
     fn first_byte(&self, backend: &Backend, seen: prefill::FirstByte);
+    /// A request whose chain's last hash is `last` ended at `backend`.
+    fn ended(&self, last: u64, backend: &Backend);
 }
 
 /// `backend`'s prefill line learns from one first byte; the prediction it is judged against
@@ -150,6 +156,8 @@ pub struct Core {
     on_left: parking_lot::Mutex<Vec<BackendListener>>,
     /// Told of every request sent and backend lost (the replica bus, when there is one).
     on_local: std::sync::OnceLock<Box<dyn LocalEvents>>,
+    /// The prompts other replicas have in flight (the replica bus keeps it).
+    elsewhere: arc_swap::ArcSwap<continued::PromptsElsewhere>,
 }
 
 impl Core {
@@ -176,6 +184,7 @@ impl Core {
             pending_drops: Default::default(),
             on_left: Default::default(),
             on_local: Default::default(),
+            elsewhere: Default::default(),
         }
     }
 
@@ -231,11 +240,51 @@ impl Core {
         }
     }
 
+    /// Whether requests' ends are told to another replica (then [`Self::ended`] is worth calling).
+    pub fn tells_ends(&self) -> bool {
+        self.on_local.get().is_some() && self.policy.needs_matches()
+    }
+
+    /// A request whose chain's last hash is `last` ended at `backend`.
+    pub fn ended(&self, last: u64, backend: &Backend) {
+        if let Some(listener) = self.on_local.get() {
+            listener.ended(last, backend);
+        }
+    }
+
     /// Another router replica saw a first byte from `backend`: its line learns from it as if
     /// this router had (through four replicas each would otherwise learn from a quarter of the
     /// answers: on real vLLM the predictions' median error doubled).
     pub fn peer_first_byte(&self, backend: &Backend, seen: prefill::FirstByte) {
         learn_first_byte(backend, seen);
+    }
+
+    /// The prompts the other replicas have in flight now.
+    pub fn set_prompts_elsewhere(&self, prompts: continued::PromptsElsewhere) {
+        self.elsewhere.store(Arc::new(prompts));
+    }
+
+    /// A request that continues a prompt another replica has in flight at a candidate: that
+    /// request has ended (the client read its answer), so it no longer counts in that
+    /// backend's load here.
+    fn count_continued_as_ended(
+        &self,
+        prompt: &PromptKey,
+        text: &str,
+        candidates: &[Arc<Backend>],
+        rows: &mut [CandidateRow],
+    ) {
+        let elsewhere = self.elsewhere.load();
+        let chain = prompt.chunks.as_slice();
+        for id in elsewhere.continued(&self.strings.hasher, chain, text.as_bytes()) {
+            let Some(i) = candidates.iter().position(|b| b.id == id) else {
+                continue;
+            };
+            if candidates[i].remote.inflight.load(Relaxed) > 0 && rows[i].inflight > 0 {
+                rows[i].inflight -= 1;
+                self.metrics.continued_elsewhere.inc();
+            }
+        }
     }
 
     /// Calls `f` with every backend that leaves the fleet.
@@ -284,6 +333,9 @@ impl Core {
         input: RequestInput<'_>,
     ) -> Decision {
         let mut rows: Vec<CandidateRow> = candidates.iter().map(|b| b.row()).collect();
+        if let (Some(key), Some(text)) = (input.prompt, input.text) {
+            self.count_continued_as_ended(key, text, &candidates, &mut rows);
+        }
         let mut matches = MatchFacts::None;
         let mut block_names = None;
         if self.policy.needs_matches() {
@@ -608,6 +660,7 @@ mod tests {
             let input = RequestInput {
                 session: None,
                 prompt: Some(&key),
+                text: Some(&prompt),
                 tokens: None,
                 released_under: None,
             };

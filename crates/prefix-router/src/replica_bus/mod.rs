@@ -32,6 +32,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
 
 use crate::core::backend::Backend;
+use crate::core::continued::{last_full_chunk, PromptInFlight, PromptsElsewhere};
 use crate::core::matches::PromptKey;
 use crate::core::prefill::FirstByte;
 use crate::core::{Core, LocalEvents};
@@ -53,6 +54,8 @@ const OUTBOX: usize = 65_536;
 /// NATS's 1 MB default message limit. A longer request is told by its first this many chunks
 /// (a prefix of its chain is a valid, shorter request to the index).
 const MAX_FRAME_HASHES: usize = 56_000;
+/// A request's chunks (and blocks) told at most.
+const MAX_SENT_HASHES: usize = MAX_FRAME_HASHES / 2;
 /// Index entries per snapshot part (about 0.5 MB before compression: under NATS's 1 MB
 /// default message limit).
 const SNAPSHOT_PART_ENTRIES: usize = 25_000;
@@ -90,6 +93,7 @@ enum Outgoing {
     Sent(wire::Sent),
     Unhealthy(u64),
     FirstByte(wire::FirstByte),
+    Ended(wire::Ended),
 }
 
 /// Hands decisions and health changes to the publisher without waiting, and without waking
@@ -136,13 +140,24 @@ impl LocalEvents for Outbox {
         self.hand(Outgoing::Sent(wire::Sent {
             backend: backend.id,
             t_ms: now_ms(),
-            chunks: prompt.map_or_else(Vec::new, |p| p.chunks.as_slice().to_vec()),
-            blocks: block_names.map(|b| b.to_vec()),
+            chunks: prompt.map_or_else(Vec::new, |p| {
+                let chunks = p.chunks.as_slice();
+                chunks[..chunks.len().min(MAX_SENT_HASHES)].to_vec()
+            }),
+            blocks: block_names.map(|b| b[..b.len().min(MAX_SENT_HASHES)].to_vec()),
+            bytes: prompt.map(|p| p.text_bytes),
         }));
     }
 
     fn backend_unhealthy(&self, backend: &Backend) {
         self.hand(Outgoing::Unhealthy(backend.id));
+    }
+
+    fn ended(&self, last: u64, backend: &Backend) {
+        self.hand(Outgoing::Ended(wire::Ended {
+            backend: backend.id,
+            last,
+        }));
     }
 
     fn first_byte(&self, backend: &Backend, seen: FirstByte) {
@@ -290,6 +305,7 @@ struct Said {
     sent: Vec<wire::Sent>,
     unhealthy: Vec<u64>,
     first_bytes: Vec<wire::FirstByte>,
+    ended: Vec<wire::Ended>,
 }
 
 impl Said {
@@ -298,11 +314,12 @@ impl Said {
             Outgoing::Sent(s) => self.sent.push(s),
             Outgoing::Unhealthy(id) => self.unhealthy.push(id),
             Outgoing::FirstByte(f) => self.first_bytes.push(f),
+            Outgoing::Ended(e) => self.ended.push(e),
         }
     }
 
     fn len(&self) -> usize {
-        self.sent.len() + self.unhealthy.len() + self.first_bytes.len()
+        self.sent.len() + self.unhealthy.len() + self.first_bytes.len() + self.ended.len()
     }
 }
 
@@ -384,6 +401,7 @@ async fn publish(
             sent,
             mut unhealthy,
             mut first_bytes,
+            mut ended,
         } = std::mem::take(&mut said);
         let mut rest = sent.into_iter().peekable();
         // One frame at least (the load table, a heartbeat), more when the decisions are many.
@@ -395,13 +413,8 @@ async fn publish(
                 if !frame_sent.is_empty() && hashes + size > MAX_FRAME_HASHES {
                     break;
                 }
-                let mut next = rest.next().expect("peeked");
-                next.chunks.truncate(MAX_FRAME_HASHES / 2);
-                if let Some(blocks) = &mut next.blocks {
-                    blocks.truncate(MAX_FRAME_HASHES / 2);
-                }
-                hashes += size.min(MAX_FRAME_HASHES);
-                frame_sent.push(next);
+                hashes += size;
+                frame_sent.push(rest.next().expect("peeked"));
             }
             seq += 1;
             let decisions = frame_sent.len() as u64;
@@ -413,6 +426,12 @@ async fn publish(
                 load: load.clone(),
                 unhealthy: std::mem::take(&mut unhealthy),
                 first_bytes: std::mem::take(&mut first_bytes),
+                // In the last frame: after every decision it may end.
+                ended: Some(if rest.peek().is_none() {
+                    std::mem::take(&mut ended)
+                } else {
+                    Vec::new()
+                }),
             });
             let bytes = frame.len() as u64;
             match client.publish(subject.clone(), Bytes::from(frame)).await {
@@ -456,6 +475,7 @@ async fn apply(mut batches: async_nats::Subscriber, core: Weak<Core>, bus: Arc<R
                 if gone > 0 {
                     tracing::info!(replicas = gone, "replica bus: peers fell silent; their load no longer counts");
                     set_remote_load(&core, &peers.lock());
+                    core.set_prompts_elsewhere(PromptsElsewhere::new(peers.lock().prompts()));
                 }
                 metrics.peers.set(peers.lock().live() as i64);
                 continue;
@@ -476,11 +496,29 @@ async fn apply(mut batches: async_nats::Subscriber, core: Weak<Core>, bus: Arc<R
         }
         let Some(core) = core.upgrade() else { return };
         let has_load = batch.load.is_some();
-        peers
-            .lock()
-            .heard(batch.replica, batch.load, Instant::now());
-        if has_load {
-            set_remote_load(&core, &peers.lock());
+        {
+            let mut peers = peers.lock();
+            let now = Instant::now();
+            // Its prompts in flight, if it tells their ends: started, ended, then cleared
+            // where its table (sent after both) says nothing is in flight.
+            let tells_ends = batch.ended.is_some();
+            if tells_ends {
+                for sent in &batch.sent {
+                    if let Some((full, prompt)) = in_flight(&core, sent) {
+                        peers.started(batch.replica, full, prompt, now);
+                    }
+                }
+                for e in batch.ended.iter().flatten() {
+                    peers.ended(batch.replica, e.backend, e.last);
+                }
+            }
+            peers.heard(batch.replica, batch.load, now);
+            if has_load {
+                set_remote_load(&core, &peers);
+            }
+            if tells_ends || has_load {
+                core.set_prompts_elsewhere(PromptsElsewhere::new(peers.prompts()));
+            }
         }
         for id in batch.unhealthy {
             match core.backend(id) {
@@ -519,6 +557,24 @@ async fn apply(mut batches: async_nats::Subscriber, core: Weak<Core>, bus: Arc<R
             metrics.count(&metrics.decisions, "received", 1);
         }
     }
+}
+
+/// A peer's decision as a prompt in flight, with its last full chunk's hash: if its whole
+/// chain was told, and is as long as its string needs.
+fn in_flight(core: &Core, sent: &wire::Sent) -> Option<(u64, PromptInFlight)> {
+    let hasher = &core.strings.hasher;
+    let bytes = sent.bytes?;
+    let whole = sent.chunks.len() < MAX_SENT_HASHES
+        && u64::try_from(sent.chunks.len()).ok()? == bytes.div_ceil(hasher.chunk_size() as u64);
+    let full = whole
+        .then(|| last_full_chunk(hasher, &sent.chunks, bytes))
+        .flatten()?;
+    let prompt = PromptInFlight {
+        backend: sent.backend,
+        bytes,
+        last: *sent.chunks.last()?,
+    };
+    Some((full, prompt))
 }
 
 /// Writes the live peers' summed load into every backend (zero where none holds any).

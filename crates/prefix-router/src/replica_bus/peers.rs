@@ -1,11 +1,15 @@
 //! The other replicas' load, as they last told it: each replica's whole table replaces its
 //! previous one, and a replica not heard from for a while is forgotten (its requests have
-//! ended or it is gone; either way its counts must not hold backends down for ever).
+//! ended or it is gone; either way its counts must not hold backends down for ever). With it,
+//! the prompts each has in flight (by their last chunk), from the requests it said it sent and
+//! ended; a table saying it has nothing in flight at a backend clears them there, so a lost
+//! message is healed when the backend next goes quiet.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::wire::Load;
+use crate::core::continued::PromptInFlight;
 
 /// Per backend: the sums over the live peers.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -22,7 +26,20 @@ struct Peer {
     load: Vec<Load>,
     /// When `load` came: its queues' ages count from then.
     told: Instant,
+    /// Its prompts in flight: (backend, last hash of the chain) → requests.
+    prompts: HashMap<(u64, u64), InFlight>,
 }
+
+/// Requests of one prompt in flight through a peer at one backend.
+struct InFlight {
+    requests: u32,
+    /// The hash of the prompt's last full chunk.
+    full: u64,
+    bytes: u64,
+}
+
+/// Prompts in flight tracked per peer at most (beyond, a broken peer's are not).
+const MAX_PROMPTS: usize = 1 << 16;
 
 /// The peers' load tables. Times are arguments, so tests need no clock.
 #[derive(Default)]
@@ -33,16 +50,66 @@ pub struct PeerLoads {
 impl PeerLoads {
     /// A peer was heard at `now`; `load`, if given, is its whole table now.
     pub fn heard(&mut self, replica: u64, load: Option<Vec<Load>>, now: Instant) {
-        let peer = self.peers.entry(replica).or_insert_with(|| Peer {
-            heard: now,
-            load: Vec::new(),
-            told: now,
-        });
+        let peer = self.peer(replica, now);
         peer.heard = peer.heard.max(now);
         if let Some(load) = load {
+            let busy = |backend: u64| load.iter().any(|l| l.backend == backend && l.inflight > 0);
+            peer.prompts.retain(|&(backend, _), _| busy(backend));
             peer.load = load;
             peer.told = now;
         }
+    }
+
+    fn peer(&mut self, replica: u64, now: Instant) -> &mut Peer {
+        self.peers.entry(replica).or_insert_with(|| Peer {
+            heard: now,
+            load: Vec::new(),
+            told: now,
+            prompts: HashMap::new(),
+        })
+    }
+
+    /// A peer sent a request to `prompt.backend`, whose prompt's last full chunk hashed to
+    /// `full`.
+    pub fn started(&mut self, replica: u64, full: u64, prompt: PromptInFlight, now: Instant) {
+        let prompts = &mut self.peer(replica, now).prompts;
+        if prompts.len() < MAX_PROMPTS {
+            prompts
+                .entry((prompt.backend, prompt.last))
+                .or_insert(InFlight {
+                    requests: 0,
+                    full,
+                    bytes: prompt.bytes,
+                })
+                .requests += 1;
+        }
+    }
+
+    /// A peer's request to `backend` whose chain ended in `last` ended.
+    pub fn ended(&mut self, replica: u64, backend: u64, last: u64) {
+        let Some(peer) = self.peers.get_mut(&replica) else {
+            return;
+        };
+        if let Some(p) = peer.prompts.get_mut(&(backend, last)) {
+            p.requests -= 1;
+            if p.requests == 0 {
+                peer.prompts.remove(&(backend, last));
+            }
+        }
+    }
+
+    /// The live peers' prompts in flight, with their last full chunk's hash.
+    pub fn prompts(&self) -> impl Iterator<Item = (u64, PromptInFlight)> + '_ {
+        self.peers.values().flat_map(|p| {
+            p.prompts.iter().map(|(&(backend, last), f)| {
+                let prompt = PromptInFlight {
+                    backend,
+                    bytes: f.bytes,
+                    last,
+                };
+                (f.full, prompt)
+            })
+        })
     }
 
     /// Forgets the peers not heard from since `now - silence`; returns how many.
@@ -132,6 +199,46 @@ mod tests {
             peers.totals()[&10].queue_moved_at,
             Some(t0 + Duration::from_millis(50))
         );
+    }
+
+    /// (backend, last hash) of the prompts in flight.
+    fn prompts(peers: &PeerLoads) -> Vec<(u64, u64)> {
+        let mut out: Vec<_> = peers.prompts().map(|(_, p)| (p.last, p.backend)).collect();
+        out.sort();
+        out
+    }
+
+    fn start(peers: &mut PeerLoads, replica: u64, backend: u64, last: u64, now: Instant) {
+        let prompt = PromptInFlight {
+            backend,
+            bytes: 1000,
+            last,
+        };
+        peers.started(replica, last + 1, prompt, now);
+    }
+
+    #[test]
+    fn prompts_in_flight_are_tracked_until_they_end_or_the_backend_is_quiet() {
+        let t0 = Instant::now();
+        let mut peers = PeerLoads::default();
+        start(&mut peers, 1, 10, 500, t0);
+        start(&mut peers, 1, 10, 500, t0);
+        start(&mut peers, 1, 11, 600, t0);
+        start(&mut peers, 2, 10, 700, t0);
+        assert_eq!(prompts(&peers), vec![(500, 10), (600, 11), (700, 10)]);
+        // One of the two requests of prompt 500 ended: the other is still in flight.
+        peers.ended(1, 10, 500);
+        assert_eq!(prompts(&peers).len(), 3);
+        peers.ended(1, 10, 500);
+        peers.ended(1, 10, 999);
+        peers.ended(3, 10, 500);
+        assert_eq!(prompts(&peers), vec![(600, 11), (700, 10)]);
+        // Peer 1's table says nothing is in flight at backend 11: an end it lost is healed.
+        peers.heard(1, Some(vec![load(10, 1), load(11, 0)]), t0);
+        assert_eq!(prompts(&peers), vec![(700, 10)]);
+        // A silent peer's prompts go with it.
+        peers.expire(t0 + Duration::from_secs(10), Duration::from_secs(3));
+        assert!(prompts(&peers).is_empty());
     }
 
     #[test]

@@ -21,6 +21,9 @@ pub struct Sent {
     pub t_ms: u64,
     pub chunks: Vec<u64>,
     pub blocks: Option<Vec<u64>>,
+    /// The request string's length in bytes (None from replicas before it).
+    #[serde(default)]
+    pub bytes: Option<u64>,
 }
 
 /// This replica's own load on one backend, whole (not a delta): a lost message is healed
@@ -87,6 +90,14 @@ impl FirstByte {
     }
 }
 
+/// A request ended at `backend`: `last` is its chain's last hash (its [`Sent::chunks`]'
+/// last, unless those were cut short).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ended {
+    pub backend: u64,
+    pub last: u64,
+}
+
 /// What one replica publishes every few milliseconds.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Batch {
@@ -102,6 +113,10 @@ pub struct Batch {
     /// First bytes it saw, for the others' prefill lines. Empty from replicas before it.
     #[serde(default)]
     pub first_bytes: Vec<FirstByte>,
+    /// Requests that ended. None from replicas before it (which tell no ends: their
+    /// prompts in flight are not tracked).
+    #[serde(default)]
+    pub ended: Option<Vec<Ended>>,
 }
 
 /// A server's index entries in a snapshot: `(server, [(hash, depth, last_used ms)])`.
@@ -180,6 +195,7 @@ mod tests {
                 t_ms: 1_700_000_000_000,
                 chunks: vec![1, 2, u64::MAX],
                 blocks: Some(vec![9]),
+                bytes: Some(300),
             }],
             load: Some(vec![Load {
                 backend: 5,
@@ -197,12 +213,25 @@ mod tests {
                 under_way_us: 7_000,
                 kv_usage_ppm: 250_000,
             }],
+            ended: Some(vec![Ended {
+                backend: 5,
+                last: u64::MAX,
+            }]),
         }
     }
 
     #[test]
     fn a_batch_survives_the_round_trip() {
         assert_eq!(decode::<Batch>(&encode(&batch())), Ok(batch()));
+    }
+
+    /// A decision as replicas sent it before they told the request string's length.
+    #[derive(Serialize)]
+    struct EarlierSent {
+        backend: u64,
+        t_ms: u64,
+        chunks: Vec<u64>,
+        blocks: Option<Vec<u64>>,
     }
 
     /// A load table as replicas sent it before they said when their queues moved.
@@ -218,17 +247,26 @@ mod tests {
     struct EarlierBatch {
         replica: u64,
         seq: u64,
-        sent: Vec<Sent>,
+        sent: Vec<EarlierSent>,
         load: Option<Vec<EarlierLoad>>,
         unhealthy: Vec<u64>,
     }
 
     #[test]
-    fn an_earlier_replicas_batch_is_read_without_the_queue_age() {
+    fn an_earlier_replicas_batch_is_read_without_what_it_did_not_tell() {
         let earlier = EarlierBatch {
             replica: 7,
             seq: 3,
-            sent: batch().sent,
+            sent: batch()
+                .sent
+                .into_iter()
+                .map(|s| EarlierSent {
+                    backend: s.backend,
+                    t_ms: s.t_ms,
+                    chunks: s.chunks,
+                    blocks: s.blocks,
+                })
+                .collect(),
             load: Some(vec![EarlierLoad {
                 backend: 5,
                 inflight: 2,
@@ -240,6 +278,8 @@ mod tests {
         let mut expected = batch();
         expected.load.as_mut().unwrap()[0].queue_moved_ms_ago = None;
         expected.first_bytes.clear();
+        expected.ended = None;
+        expected.sent[0].bytes = None;
         assert_eq!(decode::<Batch>(&encode(&earlier)), Ok(expected));
     }
 
@@ -299,6 +339,7 @@ mod tests {
                 t_ms: 1_700_000_000_000 + i,
                 chunks: shared.iter().copied().chain([i]).collect(),
                 blocks: None,
+                bytes: None,
             })
             .collect();
         let framed = encode(&b).len();

@@ -230,6 +230,7 @@ pub(crate) async fn place(
                 RequestInput {
                     session,
                     prompt: prompt.as_ref(),
+                    text: Some(&routing.text),
                     tokens: tokens.as_deref(),
                     released_under: released_under.as_ref(),
                 },
@@ -540,6 +541,16 @@ pub(crate) async fn begin_attempt(
                 },
             );
         }));
+    }
+    // Its end is told to the other replicas, by its chain's last hash: a request that
+    // continues its prompt through another replica is routed as if it had ended there.
+    if let Some(&last) = attempt
+        .prompt
+        .filter(|_| gw.core.tells_ends())
+        .and_then(|p| p.chunks.as_slice().last())
+    {
+        let (gw, backend) = (gw.clone(), backend.clone());
+        guard.on_end(Box::new(move || gw.core.ended(last, &backend)));
     }
     backend.routed.fetch_add(1, Relaxed);
     guard
