@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Near-ties on 3 real vLLM servers: per workload and round, hit / p99 / mean / imbalance of
 `cost` in turn (old: `turn % near`, a build of this tree with that one line) and drawn (new,
-main), and `prefix_load` in the new runs, from */results.md here (scripts/vllm-ab.sh's dirs)."""
-import glob, os, re, statistics
-here = os.path.dirname(os.path.abspath(__file__))
+main), and `prefix_load`, from DIR/*/results.md (scripts/vllm-ab.sh's dirs; DIR: this folder
+unless given, e.g. docs/bench/issue16/near-ties-2026-12-07b-3servers)."""
+import glob, os, re, statistics, sys
+here = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
 rows = {}
 for path in sorted(glob.glob(os.path.join(here, "*", "results.md"))):
     m = re.match(r"(old|new)-(.+?)(-\d)?$", os.path.basename(os.path.dirname(path)))
