@@ -104,6 +104,33 @@ async fn until_connected(urls: &[&str]) {
     }
 }
 
+/// Two replicas A and B of one fleet of `n` sims, connected to a bus of their own; `None`
+/// (the test skips) where `nats-server` is not installed.
+async fn pair(config: SimConfig, n: usize) -> Option<Pair> {
+    let nats = Nats::start().await?;
+    let sims = fleet(config, n).await;
+    let (a, gw_a) = replica(&sims.urls(), &nats.url(), &[]).await;
+    let (b, gw_b) = replica(&sims.urls(), &nats.url(), &[]).await;
+    until_connected(&[&a.url(), &b.url()]).await;
+    Some(Pair {
+        nats,
+        sims,
+        a,
+        gw_a,
+        b,
+        gw_b,
+    })
+}
+
+struct Pair {
+    nats: Nats,
+    sims: Fleet,
+    a: prefix_router::server::Running,
+    gw_a: std::sync::Arc<prefix_router::serve::Gateway>,
+    b: prefix_router::server::Running,
+    gw_b: std::sync::Arc<prefix_router::serve::Gateway>,
+}
+
 /// Requests each sim has finished.
 async fn served(sims: &Fleet) -> Vec<f64> {
     let mut out = Vec::new();
@@ -181,13 +208,16 @@ async fn received_decisions(url: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_taught_to_one_replica_is_routed_there_by_another() {
-    let Some(nats) = Nats::start().await else {
+    let Some(Pair {
+        nats: _nats,
+        sims,
+        a,
+        b,
+        ..
+    }) = pair(instant(), 4).await
+    else {
         return;
     };
-    let sims = fleet(instant(), 4).await;
-    let (a, _) = replica(&sims.urls(), &nats.url(), &[]).await;
-    let (b, _) = replica(&sims.urls(), &nats.url(), &[]).await;
-    until_connected(&[&a.url(), &b.url()]).await;
     let taught = prompts(8, 1);
     let placed = teach(&a.url(), &sims, &taught).await;
     // The default policy places prompts nobody holds by load: A used several sims.
@@ -284,14 +314,18 @@ async fn stream(router: &str, prompt: &str) -> u16 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_learns_the_backends_prefill_from_a_peers_answers() {
-    let Some(nats) = Nats::start().await else {
+    let Some(Pair {
+        nats: _nats,
+        sims,
+        a,
+        gw_a,
+        b,
+        gw_b,
+    }) = pair(slow(), 2).await
+    else {
         return;
     };
-    let sims = fleet(slow(), 2).await;
     let urls = sims.urls();
-    let (a, gw_a) = replica(&urls, &nats.url(), &[]).await;
-    let (b, gw_b) = replica(&urls, &nats.url(), &[]).await;
-    until_connected(&[&a.url(), &b.url()]).await;
     // Answers of several sizes through A alone; B serves nothing.
     for i in 0..12u64 {
         assert_eq!(
@@ -337,14 +371,18 @@ async fn a_replica_learns_the_backends_prefill_from_a_peers_answers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_continuing_a_peers_prompt_counts_that_one_as_ended() {
-    let Some(nats) = Nats::start().await else {
+    let Some(Pair {
+        nats: _nats,
+        sims,
+        a,
+        b,
+        gw_b,
+        ..
+    }) = pair(slow(), 2).await
+    else {
         return;
     };
-    let sims = fleet(slow(), 2).await;
     let urls = sims.urls();
-    let (a, _) = replica(&urls, &nats.url(), &[]).await;
-    let (b, gw_b) = replica(&urls, &nats.url(), &[]).await;
-    until_connected(&[&a.url(), &b.url()]).await;
     let continued = || {
         let url = b.url();
         async move { metric(&url, "prefix_router_continued_elsewhere_total", "").await }
@@ -394,13 +432,16 @@ async fn a_request_continuing_a_peers_prompt_counts_that_one_as_ended() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bus_outage_loses_no_request_and_the_replicas_converge_again() {
-    let Some(mut nats) = Nats::start().await else {
+    let Some(Pair {
+        mut nats,
+        sims,
+        a,
+        b,
+        ..
+    }) = pair(instant(), 4).await
+    else {
         return;
     };
-    let sims = fleet(instant(), 4).await;
-    let (a, _) = replica(&sims.urls(), &nats.url(), &[]).await;
-    let (b, _) = replica(&sims.urls(), &nats.url(), &[]).await;
-    until_connected(&[&a.url(), &b.url()]).await;
     // Steady traffic through both replicas while the bus dies and returns.
     let load = {
         let (a, b) = (a.url(), b.url());
