@@ -27,7 +27,7 @@ use async_nats::connection::State;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use parking_lot::Mutex;
-use prefix_index::{now_secs, PrefixHashes, Tick};
+use prefix_index::{PrefixHashes, Tick};
 use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
 
@@ -128,6 +128,7 @@ impl LocalEvents for Outbox {
         prompt: Option<&PromptKey>,
         block_names: Option<&Arc<[u64]>>,
         backend: &Backend,
+        uncached: u64,
     ) {
         if !self.bus.synced.load(Relaxed) {
             self.bus.metrics.unsynced_decisions.inc();
@@ -146,6 +147,7 @@ impl LocalEvents for Outbox {
             }),
             blocks: block_names.map(|b| b[..b.len().min(MAX_SENT_HASHES)].to_vec()),
             bytes: prompt.map(|p| p.text_bytes),
+            uncached: Some(uncached),
         }));
     }
 
@@ -167,9 +169,7 @@ impl LocalEvents for Outbox {
     }
 }
 
-fn now_ms() -> u64 {
-    Tick::from_secs(now_secs()).millis()
-}
+use crate::core::unheard::unix_ms as now_ms;
 
 impl ReplicaBus {
     /// Connects to the bus in the background (a bus that is down at start is retried; the
@@ -474,8 +474,11 @@ async fn apply(mut batches: async_nats::Subscriber, core: Weak<Core>, bus: Arc<R
                 let gone = peers.lock().expire(Instant::now(), PEER_SILENCE);
                 if gone > 0 {
                     tracing::info!(replicas = gone, "replica bus: peers fell silent; their load no longer counts");
-                    set_remote_load(&core, &peers.lock());
-                    core.set_prompts_elsewhere(PromptsElsewhere::new(peers.lock().prompts()));
+                    let mut peers = peers.lock();
+                    set_remote_load(&core, &peers);
+                    if peers.take_prompts_changed() {
+                        core.set_prompts_elsewhere(PromptsElsewhere::new(peers.prompts()));
+                    }
                 }
                 metrics.peers.set(peers.lock().live() as i64);
                 continue;
@@ -516,7 +519,7 @@ async fn apply(mut batches: async_nats::Subscriber, core: Weak<Core>, bus: Arc<R
             if has_load {
                 set_remote_load(&core, &peers);
             }
-            if tells_ends || has_load {
+            if peers.take_prompts_changed() {
                 core.set_prompts_elsewhere(PromptsElsewhere::new(peers.prompts()));
             }
         }
@@ -553,7 +556,7 @@ async fn apply(mut batches: async_nats::Subscriber, core: Weak<Core>, bus: Arc<R
             let chunks = PrefixHashes::from_raw(sent.chunks);
             let blocks = sent.blocks.map(Arc::<[u64]>::from);
             let t = Tick::from_millis(sent.t_ms.min(latest));
-            core.peer_sent(&chunks, blocks, &backend, t);
+            core.peer_sent(&chunks, blocks, &backend, t, sent.uncached);
             metrics.count(&metrics.decisions, "received", 1);
         }
     }

@@ -45,6 +45,9 @@ const MAX_PROMPTS: usize = 1 << 16;
 #[derive(Default)]
 pub struct PeerLoads {
     peers: HashMap<u64, Peer>,
+    /// Whether the set of prompts in flight changed since [`PeerLoads::take_prompts_changed`]:
+    /// the map the request path reads is rebuilt only then, not for every heartbeat.
+    prompts_changed: bool,
 }
 
 impl PeerLoads {
@@ -54,9 +57,12 @@ impl PeerLoads {
         peer.heard = peer.heard.max(now);
         if let Some(load) = load {
             let busy = |backend: u64| load.iter().any(|l| l.backend == backend && l.inflight > 0);
+            let before = peer.prompts.len();
             peer.prompts.retain(|&(backend, _), _| busy(backend));
+            let cleared = peer.prompts.len() != before;
             peer.load = load;
             peer.told = now;
+            self.prompts_changed |= cleared;
         }
     }
 
@@ -74,14 +80,16 @@ impl PeerLoads {
     pub fn started(&mut self, replica: u64, full: u64, prompt: PromptInFlight, now: Instant) {
         let prompts = &mut self.peer(replica, now).prompts;
         if prompts.len() < MAX_PROMPTS {
-            prompts
+            let in_flight = prompts
                 .entry((prompt.backend, prompt.last))
                 .or_insert(InFlight {
                     requests: 0,
                     full,
                     bytes: prompt.bytes,
-                })
-                .requests += 1;
+                });
+            in_flight.requests += 1;
+            let new = in_flight.requests == 1;
+            self.prompts_changed |= new;
         }
     }
 
@@ -94,6 +102,7 @@ impl PeerLoads {
             p.requests -= 1;
             if p.requests == 0 {
                 peer.prompts.remove(&(backend, last));
+                self.prompts_changed = true;
             }
         }
     }
@@ -115,9 +124,19 @@ impl PeerLoads {
     /// Forgets the peers not heard from since `now - silence`; returns how many.
     pub fn expire(&mut self, now: Instant, silence: Duration) -> usize {
         let before = self.peers.len();
-        self.peers
-            .retain(|_, p| now.saturating_duration_since(p.heard) <= silence);
+        let mut prompts_gone = false;
+        self.peers.retain(|_, p| {
+            let live = now.saturating_duration_since(p.heard) <= silence;
+            prompts_gone |= !live && !p.prompts.is_empty();
+            live
+        });
+        self.prompts_changed |= prompts_gone;
         before - self.peers.len()
+    }
+
+    /// Whether the prompts in flight changed since the last call (and resets it).
+    pub fn take_prompts_changed(&mut self) -> bool {
+        std::mem::take(&mut self.prompts_changed)
     }
 
     /// Peers heard from and not expired.
@@ -239,6 +258,39 @@ mod tests {
         // A silent peer's prompts go with it.
         peers.expire(t0 + Duration::from_secs(10), Duration::from_secs(3));
         assert!(prompts(&peers).is_empty());
+    }
+
+    #[test]
+    fn the_prompts_changed_only_when_a_prompt_came_or_went() {
+        let t0 = Instant::now();
+        let mut peers = PeerLoads::default();
+        assert!(!peers.take_prompts_changed());
+        start(&mut peers, 1, 10, 500, t0);
+        assert!(peers.take_prompts_changed());
+        // A second request of the same prompt, a heartbeat, a table with the backend busy,
+        // an unknown end: the set is what it was.
+        start(&mut peers, 1, 10, 500, t0);
+        peers.heard(1, None, t0);
+        peers.heard(1, Some(vec![load(10, 2)]), t0);
+        peers.ended(1, 10, 999);
+        peers.ended(1, 10, 500);
+        assert!(!peers.take_prompts_changed());
+        peers.ended(1, 10, 500);
+        assert!(peers.take_prompts_changed());
+        // Cleared by a quiet table.
+        start(&mut peers, 1, 10, 500, t0);
+        peers.take_prompts_changed();
+        peers.heard(1, Some(vec![load(10, 0)]), t0);
+        assert!(peers.take_prompts_changed());
+        // Gone with a silent peer; a silent peer without prompts changes nothing.
+        start(&mut peers, 2, 10, 700, t0);
+        peers.heard(3, None, t0);
+        peers.take_prompts_changed();
+        peers.expire(t0 + Duration::from_secs(10), Duration::from_secs(3));
+        assert!(peers.take_prompts_changed());
+        peers.heard(4, None, t0 + Duration::from_secs(10));
+        peers.expire(t0 + Duration::from_secs(20), Duration::from_secs(3));
+        assert!(!peers.take_prompts_changed());
     }
 
     #[test]

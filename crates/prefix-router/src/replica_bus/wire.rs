@@ -24,6 +24,10 @@ pub struct Sent {
     /// The request string's length in bytes (None from replicas before it).
     #[serde(default)]
     pub bytes: Option<u64>,
+    /// The prompt tokens it asked the backend to compute (None from replicas before it): a
+    /// peer's request sent there before it is heard of counts as work ahead at its first byte.
+    #[serde(default)]
+    pub uncached: Option<u64>,
 }
 
 /// This replica's own load on one backend, whole (not a delta): a lost message is healed
@@ -196,6 +200,7 @@ mod tests {
                 chunks: vec![1, 2, u64::MAX],
                 blocks: Some(vec![9]),
                 bytes: Some(300),
+                uncached: Some(75),
             }],
             load: Some(vec![Load {
                 backend: 5,
@@ -225,7 +230,8 @@ mod tests {
         assert_eq!(decode::<Batch>(&encode(&batch())), Ok(batch()));
     }
 
-    /// A decision as replicas sent it before they told the request string's length.
+    /// A decision as replicas sent it before they told the request string's length and the
+    /// prefill it asked.
     #[derive(Serialize)]
     struct EarlierSent {
         backend: u64,
@@ -280,6 +286,7 @@ mod tests {
         expected.first_bytes.clear();
         expected.ended = None;
         expected.sent[0].bytes = None;
+        expected.sent[0].uncached = None;
         assert_eq!(decode::<Batch>(&encode(&earlier)), Ok(expected));
     }
 
@@ -340,6 +347,7 @@ mod tests {
                 chunks: shared.iter().copied().chain([i]).collect(),
                 blocks: None,
                 bytes: None,
+                uncached: None,
             })
             .collect();
         let framed = encode(&b).len();
