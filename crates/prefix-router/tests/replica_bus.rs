@@ -370,12 +370,12 @@ async fn a_replica_learns_the_backends_prefill_from_a_peers_answers() {
     }
 }
 
-/// Unix time in milliseconds, the clock replicas stamp their decisions with.
-fn unix_ms() -> u64 {
+/// Unix time in microseconds, the clock replicas order their decisions by.
+fn unix_us() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
-        .as_millis() as u64
+        .as_micros() as u64
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -394,26 +394,27 @@ async fn a_first_byte_counts_the_work_a_peer_sent_ahead_of_it_though_heard_of_la
     let sim0 = backend_of(&gw_a, &sims.urls()[0]);
     // A peer sends a request to the sim just before A sends one there (a prefill of about
     // 0.75 s on this sim); A hears of it only while its own waits for its first byte.
-    let before_a = unix_ms();
+    let before_a = unix_us();
     let router = a.url();
     let request = tokio::spawn(async move { stream(&router, &text(40, 6_000)).await });
     assert!(
         eventually(5, || async { sim0.waiting_first_byte.load(Relaxed) == 1 }).await,
         "A never sent its request"
     );
-    let sent = |t_ms: u64, uncached: u64| wire::Sent {
+    let sent = |t_us: u64, uncached: u64| wire::Sent {
         backend: sim0.id,
-        t_ms,
+        t_ms: t_us / 1_000,
         chunks: vec![],
         blocks: None,
         bytes: None,
         uncached: Some(uncached),
+        t_us: Some(t_us),
     };
     let peer = wire::Batch {
         replica: 9,
         seq: 1,
         // Before A's request (ahead of it), and after it (behind it).
-        sent: vec![sent(before_a, 5_000), sent(unix_ms() + 50, 7_000)],
+        sent: vec![sent(before_a, 5_000), sent(unix_us() + 50_000, 7_000)],
         load: None,
         unhealthy: vec![],
         first_bytes: vec![],
@@ -672,6 +673,7 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
             blocks: None,
             bytes: Some(u64::MAX),
             uncached: Some(u64::MAX),
+            t_us: Some(u64::MAX),
         }],
         load: Some(vec![wire::Load {
             backend: 12345,

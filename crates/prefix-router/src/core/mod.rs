@@ -222,22 +222,22 @@ impl Core {
         self.fleet.snapshot().iter().find(|b| b.id == id).cloned()
     }
 
-    /// Another router replica sent a request to `backend` at `t`, asking `uncached` prompt
-    /// tokens of it if it said: the string index (and in precise mode the backend's block
-    /// credits) learn it as if this router had sent it, and the first bytes of this router's
-    /// requests sent there meanwhile count it ahead of them.
+    /// Another router replica sent a request to `backend` at `t` (and, if it said, asked
+    /// `uncached` prompt tokens of it at `sent_us`): the string index (and in precise mode the
+    /// backend's block credits) learn it as if this router had sent it, and the first bytes of
+    /// this router's requests sent there meanwhile count it ahead of them.
     pub fn peer_sent(
         &self,
         chunks: &prefix_index::PrefixHashes,
         block_names: Option<Arc<[u64]>>,
         backend: &Arc<Backend>,
         t: prefix_index::Tick,
-        uncached: Option<u64>,
+        unheard: Option<(u64, u64)>,
     ) {
-        if let Some(uncached) = uncached {
+        if let Some((uncached, sent_us)) = unheard {
             backend
                 .unheard
-                .heard(t.millis(), uncached, std::time::Instant::now());
+                .heard(sent_us, uncached, std::time::Instant::now());
         }
         if !chunks.is_empty() && self.policy.needs_matches() {
             self.strings.notify_from_peer(chunks, backend, t);

@@ -13,11 +13,16 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use prefix_index::{now_secs, Tick};
 
-/// The clock replicas stamp their decisions with: Unix time in milliseconds.
-pub fn unix_ms() -> u64 {
-    Tick::from_secs(now_secs()).millis()
+/// Unix time in microseconds, the clock replicas stamp their decisions with to order a peer's
+/// against this router's: the siblings of a burst reach different replicas a fraction of a
+/// millisecond apart (median 0.9 ms on the bursty workload), so milliseconds counted many of
+/// those behind a request as ahead of it. Replicas on different hosts need clocks that agree
+/// to well under that.
+pub fn unix_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
 /// How long a peer's decision is kept: longer than any first byte it could still complete
@@ -32,8 +37,8 @@ const LATE: Duration = Duration::from_secs(1);
 
 struct Heard {
     at: Instant,
-    /// When the peer sent it (Unix time, ms, the peer's clock).
-    sent_ms: u64,
+    /// When the peer sent it (Unix time, µs, the peer's clock).
+    sent_us: u64,
     uncached: u64,
 }
 
@@ -44,9 +49,9 @@ pub struct UnheardAhead {
 }
 
 impl UnheardAhead {
-    /// A peer sent a request asking `uncached` prompt tokens of this backend at `sent_ms`;
+    /// A peer sent a request asking `uncached` prompt tokens of this backend at `sent_us`;
     /// this router heard of it at `now`.
-    pub fn heard(&self, sent_ms: u64, uncached: u64, now: Instant) {
+    pub fn heard(&self, sent_us: u64, uncached: u64, now: Instant) {
         let mut heard = self.heard.lock();
         while heard
             .front()
@@ -57,22 +62,22 @@ impl UnheardAhead {
         }
         heard.push_back(Heard {
             at: now,
-            sent_ms,
+            sent_us,
             uncached,
         });
     }
 
     /// Prompt tokens the peers sent here before a request this router sent at `sent_at`
-    /// (`sent_ms` by the clock the peers stamp with) that it heard of only after sending it:
-    /// work that was ahead of the request and that it did not count.
-    pub fn ahead_of(&self, sent_at: Instant, sent_ms: u64) -> u64 {
+    /// (`sent_us` by [`unix_us`]) that it heard of only after sending it: work that was ahead
+    /// of the request and that it did not count.
+    pub fn ahead_of(&self, sent_at: Instant, sent_us: u64) -> u64 {
         let heard = self.heard.lock();
         let first = heard.partition_point(|h| h.at <= sent_at);
-        let late_ms = LATE.as_millis() as u64;
+        let late_us = LATE.as_micros() as u64;
         heard
             .range(first..)
             .take_while(|h| h.at.saturating_duration_since(sent_at) <= LATE)
-            .filter(|h| h.sent_ms <= sent_ms && h.sent_ms.saturating_add(late_ms) >= sent_ms)
+            .filter(|h| h.sent_us < sent_us && h.sent_us.saturating_add(late_us) >= sent_us)
             .fold(0u64, |sum, h| sum.saturating_add(h.uncached))
     }
 }
@@ -89,29 +94,30 @@ mod tests {
     fn counts_what_peers_sent_before_a_request_and_it_heard_after() {
         let t0 = Instant::now();
         let log = UnheardAhead::default();
-        let sent_ms = 1_000_000;
+        let sent_us = 1_000_000_000;
         // Heard before the request was sent: already counted in its work.
-        log.heard(sent_ms - 20, 100, t0);
-        // The request is sent at t0 + 10 ms. Heard after: sent before it (counted), at the
-        // same millisecond (counted: the bus cannot tell them apart), after it (behind it).
-        log.heard(sent_ms - 3, 2_000, t0 + ms(12));
-        log.heard(sent_ms, 30, t0 + ms(14));
-        log.heard(sent_ms + 2, 4_000, t0 + ms(15));
-        assert_eq!(log.ahead_of(t0 + ms(10), sent_ms), 2_030);
+        log.heard(sent_us - 20_000, 100, t0);
+        // The request is sent at t0 + 10 ms. Heard after: sent 3 ms and 1 µs before it
+        // (counted), at the same microsecond and 200 µs after it (behind it).
+        log.heard(sent_us - 3_000, 2_000, t0 + ms(12));
+        log.heard(sent_us - 1, 30, t0 + ms(13));
+        log.heard(sent_us, 500, t0 + ms(14));
+        log.heard(sent_us + 200, 4_000, t0 + ms(15));
+        assert_eq!(log.ahead_of(t0 + ms(10), sent_us), 2_030);
         // A request sent after hearing them all has nothing unheard ahead.
-        assert_eq!(log.ahead_of(t0 + ms(20), sent_ms + 10), 0);
+        assert_eq!(log.ahead_of(t0 + ms(20), sent_us + 10_000), 0);
     }
 
     #[test]
     fn a_late_backlog_is_not_counted_ahead() {
         let t0 = Instant::now();
         let log = UnheardAhead::default();
-        let sent_ms = 1_000_000;
+        let sent_us = 1_000_000_000;
         // A bus back from an outage delivers decisions made seconds before the request.
-        log.heard(sent_ms - 5_000, 2_000, t0 + ms(50));
+        log.heard(sent_us - 5_000_000, 2_000, t0 + ms(50));
         // One made just before it but heard only two seconds later.
-        log.heard(sent_ms - 1, 3_000, t0 + ms(2_000));
-        assert_eq!(log.ahead_of(t0, sent_ms), 0);
+        log.heard(sent_us - 1_000, 3_000, t0 + ms(2_000));
+        assert_eq!(log.ahead_of(t0, sent_us), 0);
     }
 
     #[test]

@@ -27,7 +27,7 @@ use async_nats::connection::State;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use parking_lot::Mutex;
-use prefix_index::{PrefixHashes, Tick};
+use prefix_index::{now_secs, PrefixHashes, Tick};
 use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
 
@@ -35,6 +35,7 @@ use crate::core::backend::Backend;
 use crate::core::continued::{last_full_chunk, PromptInFlight, PromptsElsewhere};
 use crate::core::matches::PromptKey;
 use crate::core::prefill::FirstByte;
+use crate::core::unheard::unix_us;
 use crate::core::{Core, LocalEvents};
 use metrics::BusMetrics;
 use peers::PeerLoads;
@@ -138,9 +139,11 @@ impl LocalEvents for Outbox {
             self.wake_publisher();
             return;
         }
+        let t_us = unix_us();
         self.hand(Outgoing::Sent(wire::Sent {
             backend: backend.id,
-            t_ms: now_ms(),
+            // To the nearest millisecond, as the index keeps time.
+            t_ms: (t_us + 500) / 1_000,
             chunks: prompt.map_or_else(Vec::new, |p| {
                 let chunks = p.chunks.as_slice();
                 chunks[..chunks.len().min(MAX_SENT_HASHES)].to_vec()
@@ -148,6 +151,7 @@ impl LocalEvents for Outbox {
             blocks: block_names.map(|b| b[..b.len().min(MAX_SENT_HASHES)].to_vec()),
             bytes: prompt.map(|p| p.text_bytes),
             uncached: Some(uncached),
+            t_us: Some(t_us),
         }));
     }
 
@@ -169,7 +173,9 @@ impl LocalEvents for Outbox {
     }
 }
 
-use crate::core::unheard::unix_ms as now_ms;
+fn now_ms() -> u64 {
+    Tick::from_secs(now_secs()).millis()
+}
 
 impl ReplicaBus {
     /// Connects to the bus in the background (a bus that is down at start is retried; the
@@ -556,7 +562,8 @@ async fn apply(mut batches: async_nats::Subscriber, core: Weak<Core>, bus: Arc<R
             let chunks = PrefixHashes::from_raw(sent.chunks);
             let blocks = sent.blocks.map(Arc::<[u64]>::from);
             let t = Tick::from_millis(sent.t_ms.min(latest));
-            core.peer_sent(&chunks, blocks, &backend, t, sent.uncached);
+            let unheard = sent.uncached.zip(sent.t_us);
+            core.peer_sent(&chunks, blocks, &backend, t, unheard);
             metrics.count(&metrics.decisions, "received", 1);
         }
     }

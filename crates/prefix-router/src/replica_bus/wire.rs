@@ -24,10 +24,13 @@ pub struct Sent {
     /// The request string's length in bytes (None from replicas before it).
     #[serde(default)]
     pub bytes: Option<u64>,
-    /// The prompt tokens it asked the backend to compute (None from replicas before it): a
-    /// peer's request sent there before it is heard of counts as work ahead at its first byte.
+    /// The prompt tokens it asked the backend to compute, and when, in µs (`t_ms` is too
+    /// coarse to order siblings); None from replicas before them. A request of a peer's sent
+    /// to the same backend meanwhile counts this one ahead of it at its first byte.
     #[serde(default)]
     pub uncached: Option<u64>,
+    #[serde(default)]
+    pub t_us: Option<u64>,
 }
 
 /// This replica's own load on one backend, whole (not a delta): a lost message is healed
@@ -201,6 +204,7 @@ mod tests {
                 blocks: Some(vec![9]),
                 bytes: Some(300),
                 uncached: Some(75),
+                t_us: Some(1_700_000_000_000_123),
             }],
             load: Some(vec![Load {
                 backend: 5,
@@ -287,6 +291,7 @@ mod tests {
         expected.ended = None;
         expected.sent[0].bytes = None;
         expected.sent[0].uncached = None;
+        expected.sent[0].t_us = None;
         assert_eq!(decode::<Batch>(&encode(&earlier)), Ok(expected));
     }
 
@@ -348,6 +353,7 @@ mod tests {
                 blocks: None,
                 bytes: None,
                 uncached: None,
+                t_us: None,
             })
             .collect();
         let framed = encode(&b).len();

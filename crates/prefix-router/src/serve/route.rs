@@ -20,7 +20,7 @@ use crate::core::backend::{Backend, InflightGuard};
 use crate::core::matches::PromptKey;
 use crate::core::policy::{prefill_work, ttft_after_queue};
 use crate::core::prefill::FirstByte;
-use crate::core::unheard::unix_ms;
+use crate::core::unheard::unix_us;
 use crate::core::RequestInput;
 use crate::json_body::read_body;
 use crate::tenants::{Limited, Tenant, TenantGuard};
@@ -517,14 +517,14 @@ pub(crate) async fn begin_attempt(
     } else {
         // Its TTFT teaches the backend's prefill line, and says how right the line was.
         let (gw2, b2) = (gw.clone(), backend.clone());
-        let (sent_at, sent_ms) = (Instant::now(), unix_ms());
+        let (sent_at, sent_us) = (Instant::now(), unix_us());
         let decoding = row.inflight.saturating_sub(row.waiting_first_byte);
         let span = attempt.span.cloned();
         guard.on_first_byte(Box::new(move |ttft| {
             let ttft = ttft.as_secs_f64();
             // What other replicas sent there just before it, heard of only since: it was
             // ahead all the same (the prediction, made without it, stays as it was).
-            let unheard = b2.unheard.ahead_of(sent_at, sent_ms);
+            let unheard = b2.unheard.ahead_of(sent_at, sent_us);
             if let Some(s) = &span {
                 s.set([KeyValue::new("prefix_router.ttft_s", ttft)]);
             }
