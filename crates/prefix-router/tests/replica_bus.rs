@@ -2,8 +2,7 @@
 //! by each test on a free loopback port so that it can be killed and restarted): what one
 //! replica learns another routes by, load held through one shapes the other's choice, the
 //! backends' prefill lines are learned from every replica's answers, a request continuing a
-//! prompt a peer has in flight counts that one as ended, a first byte counts the work a peer
-//! sent ahead of it that was heard of only later, a bus
+//! prompt a peer has in flight counts that one as ended, a bus
 //! outage loses no request and the replicas converge again, a new replica catches up from a
 //! peer's snapshot, and foreign or broken messages are counted and ignored.
 
@@ -370,88 +369,6 @@ async fn a_replica_learns_the_backends_prefill_from_a_peers_answers() {
     }
 }
 
-/// Unix time in microseconds, the clock replicas order their decisions by.
-fn unix_us() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_micros() as u64
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_first_byte_counts_the_work_a_peer_sent_ahead_of_it_though_heard_of_later() {
-    use futures_util::StreamExt;
-    use prefix_router::replica_bus::wire;
-    let Some(nats) = Nats::start().await else {
-        return;
-    };
-    let sims = fleet(slow(), 1).await;
-    let (a, gw_a) = replica(&sims.urls(), &nats.url(), &[]).await;
-    until_connected(&[&a.url()]).await;
-    let client = async_nats::connect(nats.url()).await.unwrap();
-    let mut frames = client.subscribe("test-fleet").await.unwrap();
-    client.flush().await.unwrap();
-    let sim0 = backend_of(&gw_a, &sims.urls()[0]);
-    // A peer sends a request to the sim just before A sends one there (a prefill of about
-    // 0.75 s on this sim); A hears of it only while its own waits for its first byte.
-    let before_a = unix_us();
-    let router = a.url();
-    let request = tokio::spawn(async move { stream(&router, &text(40, 6_000)).await });
-    assert!(
-        eventually(5, || async { sim0.waiting_first_byte.load(Relaxed) == 1 }).await,
-        "A never sent its request"
-    );
-    let sent = |t_us: u64, uncached: u64| wire::Sent {
-        backend: sim0.id,
-        t_ms: t_us / 1_000,
-        chunks: vec![],
-        blocks: None,
-        bytes: None,
-        uncached: Some(uncached),
-        t_us: Some(t_us),
-    };
-    let peer = wire::Batch {
-        replica: 9,
-        seq: 1,
-        // Before A's request (ahead of it), and after it (behind it).
-        sent: vec![sent(before_a, 5_000), sent(unix_us() + 50_000, 7_000)],
-        load: None,
-        unhealthy: vec![],
-        first_bytes: vec![],
-        ended: Some(vec![]),
-    };
-    client
-        .publish("test-fleet", wire::encode(&peer).into())
-        .await
-        .unwrap();
-    client.flush().await.unwrap();
-    assert!(
-        eventually(5, || async { received_decisions(&a.url()).await == 2.0 }).await,
-        "A never heard the peer"
-    );
-    assert_eq!(
-        sim0.waiting_first_byte.load(Relaxed),
-        1,
-        "A's request must still wait for its first byte when A hears of the peer's"
-    );
-    assert_eq!(request.await.unwrap(), 200);
-    // A tells its first byte to the others with the work it learned from.
-    let seen = tokio::time::timeout(Duration::from_secs(5), async {
-        while let Some(frame) = frames.next().await {
-            let batch: wire::Batch = wire::decode(&frame.payload).unwrap();
-            if let Some(&first_byte) = batch.first_bytes.first() {
-                return first_byte;
-            }
-        }
-        panic!("the bus closed")
-    })
-    .await
-    .expect("A told no first byte");
-    assert!(seen.uncached > 1_000, "{seen:?}");
-    assert_eq!(seen.work, seen.uncached + 5_000, "{seen:?}");
-    assert_eq!(sim0.prefill.observations(), 1);
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_continuing_a_peers_prompt_counts_that_one_as_ended() {
     let Some(Pair {
@@ -672,8 +589,6 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
             chunks: vec![1, 2, 3],
             blocks: None,
             bytes: Some(u64::MAX),
-            uncached: Some(u64::MAX),
-            t_us: Some(u64::MAX),
         }],
         load: Some(vec![wire::Load {
             backend: 12345,

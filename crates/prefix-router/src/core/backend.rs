@@ -95,9 +95,6 @@ pub struct Backend {
     pub remote: RemoteLoad,
     /// Its prefill speed, learned from the TTFTs of streamed requests.
     pub prefill: crate::core::prefill::PrefillModel,
-    /// The other replicas' requests sent here, as heard: the work ahead of a request that
-    /// it could not count when sent.
-    pub unheard: crate::core::unheard::UnheardAhead,
     /// From the backend's `/metrics`: `vllm:num_requests_running` + `num_requests_waiting`.
     pub reported_queue: AtomicU64,
     pub reported_running: AtomicU64,
@@ -182,7 +179,6 @@ impl Backend {
             progress_at: AtomicU64::new(progress_clock()),
             remote: RemoteLoad::default(),
             prefill: Default::default(),
-            unheard: Default::default(),
             reported_queue: AtomicU64::new(0),
             reported_running: AtomicU64::new(0),
             reported_waiting: AtomicU64::new(0),

@@ -14,7 +14,6 @@ pub mod matches;
 pub mod metrics;
 pub mod policy;
 pub mod prefill;
-pub mod unheard;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -108,15 +107,8 @@ type BackendListener = Box<dyn Fn(&Backend) + Send + Sync>;
 /// Hears what this router does and sees that other replicas should know (the replica bus
 /// tells them). Called on the request path and from health checks: it must not wait.
 pub trait LocalEvents: Send + Sync {
-    /// A request asking `uncached` prompt tokens of `backend` was sent there (with what the
-    /// indexes match of it, if anything).
-    fn sent(
-        &self,
-        prompt: Option<&PromptKey>,
-        block_names: Option<&Arc<[u64]>>,
-        backend: &Backend,
-        uncached: u64,
-    );
+    /// A request was sent to `backend` (with what the indexes match of it, if anything).
+    fn sent(&self, prompt: Option<&PromptKey>, block_names: Option<&Arc<[u64]>>, backend: &Backend);
     /// `backend` just left the candidates (failed checks or connections).
     fn backend_unhealthy(&self, backend: &Backend);
     /// A streamed request's first byte came from `backend` (its line learned from it).
@@ -222,23 +214,15 @@ impl Core {
         self.fleet.snapshot().iter().find(|b| b.id == id).cloned()
     }
 
-    /// Another router replica sent a request to `backend` at `t` (and, if it said, asked
-    /// `uncached` prompt tokens of it at `sent_us`): the string index (and in precise mode the
-    /// backend's block credits) learn it as if this router had sent it, and the first bytes of
-    /// this router's requests sent there meanwhile count it ahead of them.
+    /// Another router replica sent a request to `backend` at `t`: the string index (and in
+    /// precise mode the backend's block credits) learn it as if this router had sent it.
     pub fn peer_sent(
         &self,
         chunks: &prefix_index::PrefixHashes,
         block_names: Option<Arc<[u64]>>,
         backend: &Arc<Backend>,
         t: prefix_index::Tick,
-        unheard: Option<(u64, u64)>,
     ) {
-        if let Some((uncached, sent_us)) = unheard {
-            backend
-                .unheard
-                .heard(sent_us, uncached, std::time::Instant::now());
-        }
         if !chunks.is_empty() && self.policy.needs_matches() {
             self.strings.notify_from_peer(chunks, backend, t);
         }
@@ -476,7 +460,6 @@ impl Core {
         prompt: Option<&PromptKey>,
         block_names: Option<&Arc<[u64]>>,
         backend: &Arc<Backend>,
-        uncached: u64,
     ) {
         if let Some(key) = prompt.filter(|_| self.policy.needs_matches()) {
             self.strings.sent(key, backend).await;
@@ -486,7 +469,7 @@ impl Core {
         }
         if let Some(listener) = self.on_local.get() {
             let prompt = prompt.filter(|_| self.policy.needs_matches());
-            listener.sent(prompt, block_names, backend, uncached);
+            listener.sent(prompt, block_names, backend);
         }
     }
 

@@ -35,7 +35,6 @@ use crate::core::backend::Backend;
 use crate::core::continued::{last_full_chunk, PromptInFlight, PromptsElsewhere};
 use crate::core::matches::PromptKey;
 use crate::core::prefill::FirstByte;
-use crate::core::unheard::unix_us;
 use crate::core::{Core, LocalEvents};
 use metrics::BusMetrics;
 use peers::PeerLoads;
@@ -129,7 +128,6 @@ impl LocalEvents for Outbox {
         prompt: Option<&PromptKey>,
         block_names: Option<&Arc<[u64]>>,
         backend: &Backend,
-        uncached: u64,
     ) {
         if !self.bus.synced.load(Relaxed) {
             self.bus.metrics.unsynced_decisions.inc();
@@ -139,19 +137,15 @@ impl LocalEvents for Outbox {
             self.wake_publisher();
             return;
         }
-        let t_us = unix_us();
         self.hand(Outgoing::Sent(wire::Sent {
             backend: backend.id,
-            // To the nearest millisecond, as the index keeps time.
-            t_ms: (t_us + 500) / 1_000,
+            t_ms: now_ms(),
             chunks: prompt.map_or_else(Vec::new, |p| {
                 let chunks = p.chunks.as_slice();
                 chunks[..chunks.len().min(MAX_SENT_HASHES)].to_vec()
             }),
             blocks: block_names.map(|b| b[..b.len().min(MAX_SENT_HASHES)].to_vec()),
             bytes: prompt.map(|p| p.text_bytes),
-            uncached: Some(uncached),
-            t_us: Some(t_us),
         }));
     }
 
@@ -562,8 +556,7 @@ async fn apply(mut batches: async_nats::Subscriber, core: Weak<Core>, bus: Arc<R
             let chunks = PrefixHashes::from_raw(sent.chunks);
             let blocks = sent.blocks.map(Arc::<[u64]>::from);
             let t = Tick::from_millis(sent.t_ms.min(latest));
-            let unheard = sent.uncached.zip(sent.t_us);
-            core.peer_sent(&chunks, blocks, &backend, t, unheard);
+            core.peer_sent(&chunks, blocks, &backend, t);
             metrics.count(&metrics.decisions, "received", 1);
         }
     }

@@ -24,13 +24,6 @@ pub struct Sent {
     /// The request string's length in bytes (None from replicas before it).
     #[serde(default)]
     pub bytes: Option<u64>,
-    /// The prompt tokens it asked the backend to compute, and when, in µs (`t_ms` is too
-    /// coarse to order siblings); None from replicas before them. A request of a peer's sent
-    /// to the same backend meanwhile counts this one ahead of it at its first byte.
-    #[serde(default)]
-    pub uncached: Option<u64>,
-    #[serde(default)]
-    pub t_us: Option<u64>,
 }
 
 /// This replica's own load on one backend, whole (not a delta): a lost message is healed
@@ -203,8 +196,6 @@ mod tests {
                 chunks: vec![1, 2, u64::MAX],
                 blocks: Some(vec![9]),
                 bytes: Some(300),
-                uncached: Some(75),
-                t_us: Some(1_700_000_000_000_123),
             }],
             load: Some(vec![Load {
                 backend: 5,
@@ -234,8 +225,7 @@ mod tests {
         assert_eq!(decode::<Batch>(&encode(&batch())), Ok(batch()));
     }
 
-    /// A decision as replicas sent it before they told the request string's length and the
-    /// prefill it asked.
+    /// A decision as replicas sent it before they told the request string's length.
     #[derive(Serialize)]
     struct EarlierSent {
         backend: u64,
@@ -290,8 +280,6 @@ mod tests {
         expected.first_bytes.clear();
         expected.ended = None;
         expected.sent[0].bytes = None;
-        expected.sent[0].uncached = None;
-        expected.sent[0].t_us = None;
         assert_eq!(decode::<Batch>(&encode(&earlier)), Ok(expected));
     }
 
@@ -352,8 +340,6 @@ mod tests {
                 chunks: shared.iter().copied().chain([i]).collect(),
                 blocks: None,
                 bytes: None,
-                uncached: None,
-                t_us: None,
             })
             .collect();
         let framed = encode(&b).len();

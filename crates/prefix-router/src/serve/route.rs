@@ -20,7 +20,6 @@ use crate::core::backend::{Backend, InflightGuard};
 use crate::core::matches::PromptKey;
 use crate::core::policy::{prefill_work, ttft_after_queue};
 use crate::core::prefill::FirstByte;
-use crate::core::unheard::unix_us;
 use crate::core::RequestInput;
 use crate::json_body::read_body;
 use crate::tenants::{Limited, Tenant, TenantGuard};
@@ -494,14 +493,14 @@ pub(crate) async fn begin_attempt(
     permit: &mut Option<Permit>,
 ) -> InflightGuard {
     let backend = attempt.backend;
+    gw.core
+        .sent(attempt.prompt, attempt.block_names, backend)
+        .await;
     // The prefill it asks of the backend: what the backend does not hold, or the whole
     // prompt (estimated from its bytes) where matches are not known.
     let uncached = attempt.uncached.unwrap_or_else(|| {
         (attempt.text_bytes as f64 / backend.bytes_per_token().max(0.1)).round() as u64
     });
-    gw.core
-        .sent(attempt.prompt, attempt.block_names, backend, uncached)
-        .await;
     let row = backend.row();
     let mut guard = InflightGuard::new(backend.clone(), uncached);
     guard.tell_when_load_eases(attempt.load_eased);
@@ -517,20 +516,16 @@ pub(crate) async fn begin_attempt(
     } else {
         // Its TTFT teaches the backend's prefill line, and says how right the line was.
         let (gw2, b2) = (gw.clone(), backend.clone());
-        let (sent_at, sent_us) = (Instant::now(), unix_us());
         let decoding = row.inflight.saturating_sub(row.waiting_first_byte);
         let span = attempt.span.cloned();
         guard.on_first_byte(Box::new(move |ttft| {
             let ttft = ttft.as_secs_f64();
-            // What other replicas sent there just before it, heard of only since: it was
-            // ahead all the same (the prediction, made without it, stays as it was).
-            let unheard = b2.unheard.ahead_of(sent_at, sent_us);
             if let Some(s) = &span {
                 s.set([KeyValue::new("prefix_router.ttft_s", ttft)]);
             }
             tracing::debug!(
                 target: "prefix_router::ttft",
-                backend = %b2.url(), work, unheard, uncached, decoding, kv_usage = row.kv_usage,
+                backend = %b2.url(), work, uncached, decoding, kv_usage = row.kv_usage,
                 stalled_secs = row.stalled_secs, predicted, ttft,
                 "first byte"
             );
@@ -538,7 +533,7 @@ pub(crate) async fn begin_attempt(
             gw2.core.first_byte(
                 &b2,
                 FirstByte {
-                    work: work.saturating_add(unheard),
+                    work,
                     uncached,
                     ttft_s: ttft,
                     under_way_s: row.stalled_secs,
