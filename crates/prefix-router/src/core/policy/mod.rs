@@ -175,9 +175,9 @@ pub struct RequestFacts<'a> {
     pub turn: u64,
     /// This router's rank among the live router replicas (0 without peers). A new prompt goes
     /// to the least loaded backend; replicas with the same view would all name the same one
-    /// (the load order breaks its ties by index entries, which they all count alike), so
-    /// replica `rank` takes the `rank`-th of the near-equal ones: a burst fanned out over the
-    /// replicas at one moment lands on as many backends.
+    /// (the load order breaks ties in requests by index entries, which they all count alike),
+    /// so replica `rank` takes the `rank`-th of those tied with the least in requests: a burst
+    /// fanned out over the replicas at one moment lands on as many backends.
     pub replica_rank: u32,
 }
 
