@@ -28,7 +28,7 @@
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::order::{by_prefill_load, tied_on_requests};
+use super::order::by_prefill_load;
 use super::prefix_load::LoadGuard;
 use super::{CandidateRow, Choice, MatchFacts, Policy, Reason, RequestFacts};
 use crate::core::prefill::PrefillLine;
@@ -201,10 +201,6 @@ impl Policy for Cost {
                 // drew 1.5× the mean load, and the load guard sent 13 of their requests away to
                 // compute the prompt again (hit 0.695 against 0.729).
                 by_prefill_load(rows, &mut order[..near], facts.turn);
-                // Router replicas with this view: each takes its own of those as little
-                // loaded as the least (whom only index entries set apart).
-                let tied = tied_on_requests(rows, &order[..near]);
-                order[..tied].rotate_left(facts.replica_rank as usize % tied);
             } else {
                 // Any of them, drawn by the turn's hash. Taken in turn (`turn % near` over this
                 // order) the pick aliased with the order itself, which the last choices shape:
@@ -477,28 +473,6 @@ mod tests {
         }
         let placed: Vec<u64> = r.iter().map(|row| row.inflight).collect();
         assert_eq!(placed, vec![2; 8]);
-    }
-
-    #[test]
-    fn replicas_take_their_own_of_the_least_loaded_for_a_new_prompt() {
-        // An idle fleet whose backends hold different numbers of index entries; backend 3
-        // has a request decoding. Every replica with this view names backend 0 by load;
-        // replica `rank` takes the rank-th of those with no request at all.
-        let mut r = fleet(4);
-        for (i, row) in r.iter_mut().enumerate() {
-            row.entries = 10 * i as u64;
-        }
-        r[3].inflight = 1;
-        let picks: Vec<usize> = (0..5)
-            .map(|rank| {
-                let facts = RequestFacts {
-                    replica_rank: rank,
-                    ..known(1300, 7)
-                };
-                cost().choose(&r, &facts).order[0]
-            })
-            .collect();
-        assert_eq!(picks, vec![0, 1, 2, 0, 1]);
     }
 
     #[test]

@@ -29,7 +29,6 @@ pub fn known(total: u64, turn: u64) -> RequestFacts<'static> {
             total_tokens: total,
         },
         turn,
-        replica_rank: 0,
     }
 }
 
@@ -39,6 +38,5 @@ pub fn plain(session: Option<&str>, turn: u64) -> RequestFacts<'_> {
         session,
         matches: MatchFacts::None,
         turn,
-        replica_rank: 0,
     }
 }

@@ -52,27 +52,6 @@ fn order(rows: &[CandidateRow], positions: &mut [usize], rotation: u64, prefill_
     }
 }
 
-/// How many of `positions` (ordered by [`by_prefill_load`]) tie with the first on requests:
-/// waiting for a first byte and in flight, per unit of weight. What sets them apart is only
-/// their index entries and their own queues' reports.
-pub fn tied_on_requests(rows: &[CandidateRow], positions: &[usize]) -> usize {
-    let requests = |p: usize| {
-        let r = &rows[p];
-        let weight = r.weight.max(1);
-        (
-            r.waiting_first_byte * 1024 / weight,
-            r.inflight * 1024 / weight,
-        )
-    };
-    let Some(&first) = positions.first() else {
-        return 0;
-    };
-    positions
-        .iter()
-        .take_while(|&&p| requests(p) == requests(first))
-        .count()
-}
-
 /// All positions of `rows`, ordered by [`by_load`].
 pub fn all_by_load(rows: &[CandidateRow], rotation: u64) -> Vec<usize> {
     let mut positions: Vec<usize> = (0..rows.len()).collect();
