@@ -16,7 +16,7 @@ pub mod policy;
 pub mod prefill;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use prometheus_client::registry::Registry;
@@ -147,6 +147,9 @@ pub struct Core {
     /// started at 0 would make replicas with the same view pick alike (a burst fanned out over
     /// them would land on one backend).
     turn: AtomicU64,
+    /// This router's rank among the live router replicas (0 without peers), kept by the
+    /// replica bus: see [`RequestFacts::replica_rank`].
+    replica_rank: AtomicU32,
     settings: CoreSettings,
     metrics: CoreMetrics,
     /// Drops of backends' index entries still running, by server id: a backend that comes
@@ -179,6 +182,7 @@ impl Core {
             policy: policy::build(policy),
             least_loaded: policy::LeastLoaded,
             turn: AtomicU64::new(random_u64()),
+            replica_rank: AtomicU32::new(0),
             settings,
             metrics: CoreMetrics::register(registry),
             pending_drops: Default::default(),
@@ -257,6 +261,12 @@ impl Core {
     /// answers: on real vLLM the predictions' median error doubled).
     pub fn peer_first_byte(&self, backend: &Backend, seen: prefill::FirstByte) {
         learn_first_byte(backend, seen);
+    }
+
+    /// This router is `rank` (0-based) of the live router replicas, ranked alike by all of
+    /// them (by their bus ids).
+    pub fn set_replica_rank(&self, rank: u32) {
+        self.replica_rank.store(rank, Relaxed);
     }
 
     /// The prompts the other replicas have in flight now.
@@ -389,6 +399,7 @@ impl Core {
             session: input.session,
             matches,
             turn: self.turn.fetch_add(1, Relaxed),
+            replica_rank: self.replica_rank.load(Relaxed),
         };
         let mut decision = self.decide(&*self.policy, candidates, &rows, &facts);
         decision.block_names = block_names;
@@ -402,6 +413,7 @@ impl Core {
             session: None,
             matches: MatchFacts::None,
             turn: self.turn.fetch_add(1, Relaxed),
+            replica_rank: self.replica_rank.load(Relaxed),
         };
         self.decide(&self.least_loaded, candidates, &rows, &facts)
     }
@@ -676,5 +688,53 @@ mod tests {
         // Each set has both backends unless 32 replicas drew alike: 2 in 4 billion.
         assert_eq!(new_prompt.len(), 2, "a prompt no backend holds");
         assert_eq!(held_by_both.len(), 2, "a prompt both backends hold");
+    }
+
+    /// A burst's siblings fanned out over four replicas at one moment: each sees the same
+    /// idle fleet, whose backends hold different numbers of index entries, so the load order
+    /// names one least loaded backend whatever their turns; ranked, they place the new prompt
+    /// on four backends.
+    #[tokio::test]
+    async fn ranked_replicas_place_a_burst_on_different_backends() {
+        let fleet: Vec<Arc<Backend>> = (0..8)
+            .map(|i| {
+                let url = format!("http://b{i}:1");
+                let backend = Backend::new(BackendSpec::new(&url), 1000).unwrap();
+                backend.entries.store(100 + 10 * i, Relaxed);
+                Arc::new(backend)
+            })
+            .collect();
+        let prompt = "a burst's new system prompt; ".repeat(100);
+        let burst = |ranked: bool| {
+            let (fleet, prompt) = (fleet.clone(), prompt.clone());
+            async move {
+                let mut chosen = HashSet::new();
+                for rank in 0..4 {
+                    let core = replica();
+                    if ranked {
+                        core.set_replica_rank(rank);
+                    }
+                    let key = core.strings.key(&prompt);
+                    let input = RequestInput {
+                        session: None,
+                        prompt: Some(&key),
+                        text: Some(&prompt),
+                        tokens: None,
+                        released_under: None,
+                    };
+                    let decision = core.pick(fleet.clone(), input).await;
+                    chosen.insert(decision.order[0].url().to_owned());
+                }
+                chosen
+            }
+        };
+        let least_loaded =
+            |n: usize| -> HashSet<String> { (0..n).map(|i| format!("http://b{i}:1")).collect() };
+        assert_eq!(
+            burst(false).await,
+            least_loaded(1),
+            "unranked, the four picked alike"
+        );
+        assert_eq!(burst(true).await, least_loaded(4));
     }
 }

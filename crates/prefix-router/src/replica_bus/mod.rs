@@ -480,6 +480,7 @@ async fn apply(mut batches: async_nats::Subscriber, core: Weak<Core>, bus: Arc<R
                         core.set_prompts_elsewhere(PromptsElsewhere::new(peers.prompts()));
                     }
                 }
+                core.set_replica_rank(peers.lock().rank_of(bus.replica));
                 metrics.peers.set(peers.lock().live() as i64);
                 continue;
             }
@@ -516,6 +517,7 @@ async fn apply(mut batches: async_nats::Subscriber, core: Weak<Core>, bus: Arc<R
                 }
             }
             peers.heard(batch.replica, batch.load, now);
+            core.set_replica_rank(peers.rank_of(bus.replica));
             if has_load {
                 set_remote_load(&core, &peers);
             }

@@ -144,6 +144,13 @@ impl PeerLoads {
         self.peers.len()
     }
 
+    /// The rank of the replica `own` among itself and the live peers, by id: every replica
+    /// that hears the same peers ranks them alike.
+    pub fn rank_of(&self, own: u64) -> u32 {
+        let below = self.peers.keys().filter(|&&id| id < own).count();
+        u32::try_from(below).unwrap_or(u32::MAX)
+    }
+
     /// The live peers' load summed per backend.
     pub fn totals(&self) -> HashMap<u64, Totals> {
         let mut out: HashMap<u64, Totals> = HashMap::new();
@@ -291,6 +298,24 @@ mod tests {
         peers.heard(4, None, t0 + Duration::from_secs(10));
         peers.expire(t0 + Duration::from_secs(20), Duration::from_secs(3));
         assert!(!peers.take_prompts_changed());
+    }
+
+    #[test]
+    fn replicas_rank_themselves_alike() {
+        let t0 = Instant::now();
+        let ids = [40u64, 7, 900];
+        let ranks: Vec<u32> = ids
+            .iter()
+            .map(|&own| {
+                let mut peers = PeerLoads::default();
+                for &id in ids.iter().filter(|&&id| id != own) {
+                    peers.heard(id, None, t0);
+                }
+                peers.rank_of(own)
+            })
+            .collect();
+        assert_eq!(ranks, vec![1, 0, 2]);
+        assert_eq!(PeerLoads::default().rank_of(40), 0);
     }
 
     #[test]

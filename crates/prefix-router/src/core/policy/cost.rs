@@ -201,6 +201,8 @@ impl Policy for Cost {
                 // drew 1.5× the mean load, and the load guard sent 13 of their requests away to
                 // compute the prompt again (hit 0.695 against 0.729).
                 by_prefill_load(rows, &mut order[..near], facts.turn);
+                // Router replicas with this view: each takes its own of them.
+                order[..near].rotate_left(facts.replica_rank as usize % near);
             } else {
                 // Any of them, drawn by the turn's hash. Taken in turn (`turn % near` over this
                 // order) the pick aliased with the order itself, which the last choices shape:

@@ -29,6 +29,7 @@ pub fn known(total: u64, turn: u64) -> RequestFacts<'static> {
             total_tokens: total,
         },
         turn,
+        replica_rank: 0,
     }
 }
 
@@ -38,5 +39,6 @@ pub fn plain(session: Option<&str>, turn: u64) -> RequestFacts<'_> {
         session,
         matches: MatchFacts::None,
         turn,
+        replica_rank: 0,
     }
 }

@@ -173,6 +173,12 @@ pub struct RequestFacts<'a> {
     pub matches: MatchFacts,
     /// A rotating position, so that equally loaded backends take turns.
     pub turn: u64,
+    /// This router's rank among the live router replicas (0 without peers). A new prompt goes
+    /// to the least loaded backend; replicas with the same view would all name the same one
+    /// (the load order breaks its ties by index entries, which they all count alike), so
+    /// replica `rank` takes the `rank`-th of the near-equal ones: a burst fanned out over the
+    /// replicas at one moment lands on as many backends.
+    pub replica_rank: u32,
 }
 
 /// Why a backend was chosen (a label of `prefix_router_routing_decisions_total`).

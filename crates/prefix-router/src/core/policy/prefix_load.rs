@@ -247,6 +247,7 @@ mod tests {
             session: None,
             matches: MatchFacts::Unavailable,
             turn: 0,
+            replica_rank: 0,
         };
         let c = policy().choose(&r, &facts);
         assert_eq!((c.order[0], c.reason), (1, Reason::StoreUnavailable));
