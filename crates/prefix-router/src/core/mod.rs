@@ -654,6 +654,21 @@ mod tests {
         Core::new(strings, None, &policy, settings, &mut registry)
     }
 
+    fn backend(url: &str) -> Backend {
+        Backend::new(BackendSpec::new(url), 1000).unwrap()
+    }
+
+    /// A request for `text`, matched by `key`, without session or tokens.
+    fn prompt_input<'a>(key: &'a PromptKey, text: &'a str) -> RequestInput<'a> {
+        RequestInput {
+            session: None,
+            prompt: Some(key),
+            text: Some(text),
+            tokens: None,
+            released_under: None,
+        }
+    }
+
     /// Replicas behind one load balancer see the same fleet and get their requests in
     /// lock-step; a burst fanned out over them (one request each, at the same moment) must not
     /// all land on the backend one shared count names — whether no backend holds the prompt
@@ -662,20 +677,14 @@ mod tests {
     async fn replicas_with_the_same_view_do_not_all_pick_alike() {
         let fleet: Vec<Arc<Backend>> = ["http://a:1", "http://b:1"]
             .iter()
-            .map(|url| Arc::new(Backend::new(BackendSpec::new(url), 1000).unwrap()))
+            .map(|url| Arc::new(backend(url)))
             .collect();
         let prompt = "the same system prompt for every sibling; ".repeat(100);
         let (mut new_prompt, mut held_by_both) = (HashSet::new(), HashSet::new());
         for _ in 0..32 {
             let core = replica();
             let key = core.strings.key(&prompt);
-            let input = RequestInput {
-                session: None,
-                prompt: Some(&key),
-                text: Some(&prompt),
-                tokens: None,
-                released_under: None,
-            };
+            let input = prompt_input(&key, &prompt);
             let first = core.pick(fleet.clone(), input).await;
             new_prompt.insert(first.order[0].url().to_owned());
             for b in &fleet {
@@ -698,8 +707,7 @@ mod tests {
     async fn ranked_replicas_place_a_burst_on_different_backends() {
         let fleet: Vec<Arc<Backend>> = (0..8)
             .map(|i| {
-                let url = format!("http://b{i}:1");
-                let backend = Backend::new(BackendSpec::new(&url), 1000).unwrap();
+                let backend = backend(&format!("http://b{i}:1"));
                 backend.entries.store(100 + 10 * i, Relaxed);
                 Arc::new(backend)
             })
@@ -715,14 +723,7 @@ mod tests {
                         core.set_replica_rank(rank);
                     }
                     let key = core.strings.key(&prompt);
-                    let input = RequestInput {
-                        session: None,
-                        prompt: Some(&key),
-                        text: Some(&prompt),
-                        tokens: None,
-                        released_under: None,
-                    };
-                    let decision = core.pick(fleet.clone(), input).await;
+                    let decision = core.pick(fleet.clone(), prompt_input(&key, &prompt)).await;
                     chosen.insert(decision.order[0].url().to_owned());
                 }
                 chosen
