@@ -631,11 +631,6 @@ mod tests {
 
     /// A router replica with its own memory index and `--policy cost`.
     fn replica() -> Core {
-        replica_with(PolicyKind::Cost)
-    }
-
-    /// A router replica with its own memory index and this policy.
-    fn replica_with(kind: PolicyKind) -> Core {
         let store = Arc::new(MemoryStore::new(StoreConfig::default()).unwrap());
         let mut registry = Registry::default();
         let strings = StringIndex::new(
@@ -646,7 +641,7 @@ mod tests {
             &mut registry,
         );
         let policy = PolicySettings {
-            kind,
+            kind: PolicyKind::Cost,
             cache_threshold: 0.5,
             balance_abs: 16,
             balance_rel: 1.5,
@@ -707,15 +702,9 @@ mod tests {
     /// A burst's siblings fanned out over four replicas at one moment: each sees the same
     /// idle fleet, whose backends hold different numbers of index entries, so the load order
     /// names one least loaded backend whatever their turns; ranked, they place the new prompt
-    /// on four backends — with `cost` and with `prefix_load` alike.
+    /// on four backends.
     #[tokio::test]
     async fn ranked_replicas_place_a_burst_on_different_backends() {
-        for kind in [PolicyKind::Cost, PolicyKind::PrefixLoad] {
-            ranked_replicas_place_a_burst_on_different_backends_with(kind).await;
-        }
-    }
-
-    async fn ranked_replicas_place_a_burst_on_different_backends_with(kind: PolicyKind) {
         let fleet: Vec<Arc<Backend>> = (0..8)
             .map(|i| {
                 let backend = backend(&format!("http://b{i}:1"));
@@ -729,7 +718,7 @@ mod tests {
             async move {
                 let mut chosen = HashSet::new();
                 for rank in 0..4 {
-                    let core = replica_with(kind);
+                    let core = replica();
                     if ranked {
                         core.set_replica_rank(rank);
                     }
@@ -745,8 +734,8 @@ mod tests {
         assert_eq!(
             burst(false).await,
             least_loaded(1),
-            "{kind:?} unranked: the four picked alike"
+            "unranked, the four picked alike"
         );
-        assert_eq!(burst(true).await, least_loaded(4), "{kind:?} ranked");
+        assert_eq!(burst(true).await, least_loaded(4));
     }
 }

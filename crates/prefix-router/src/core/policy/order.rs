@@ -52,31 +52,6 @@ fn order(rows: &[CandidateRow], positions: &mut [usize], rotation: u64, prefill_
     }
 }
 
-/// Router replicas with the same view order equal backends alike (index entries break the tie,
-/// and they all count them alike), so a burst fanned out over the replicas at one moment would
-/// land on one backend: replica `rank` takes the `rank`-th of the leading backends equal in
-/// prefill load (waiting for a first byte, in flight, queue, per unit of weight) instead.
-/// One router (rank 0) keeps `positions` as they are.
-pub fn by_replica_rank(rows: &[CandidateRow], positions: &mut [usize], rank: u32) {
-    let Some(&first) = positions.first() else {
-        return;
-    };
-    let load = |p: usize| {
-        let r = &rows[p];
-        let weight = r.weight.max(1);
-        (
-            r.waiting_first_byte * 1024 / weight,
-            r.inflight * 1024 / weight,
-            r.queue * 1024 / weight,
-        )
-    };
-    let equal = positions
-        .iter()
-        .take_while(|&&p| load(p) == load(first))
-        .count();
-    positions[..equal].rotate_left(rank as usize % equal);
-}
-
 /// All positions of `rows`, ordered by [`by_load`].
 pub fn all_by_load(rows: &[CandidateRow], rotation: u64) -> Vec<usize> {
     let mut positions: Vec<usize> = (0..rows.len()).collect();
@@ -115,30 +90,5 @@ mod tests {
         r[0].entries = 10;
         r[2].entries = 10;
         assert_eq!(all_by_load(&r, 0)[0], 1);
-    }
-
-    #[test]
-    fn replicas_take_their_own_of_equally_loaded_backends() {
-        // Backends 1 and 3 are busier; of the idle ones, 0 has the fewest index entries.
-        let mut r = rows(4);
-        for (i, e) in [0, 5, 7, 9].into_iter().enumerate() {
-            r[i].entries = e;
-        }
-        r[1].inflight = 1;
-        r[3].waiting_first_byte = 1;
-        let firsts: Vec<usize> = (0..4)
-            .map(|rank| {
-                let mut order: Vec<usize> = (0..4).collect();
-                by_prefill_load(&r, &mut order, 0);
-                by_replica_rank(&r, &mut order, rank);
-                assert_eq!(order[2..], [1, 3], "the busier keep their places");
-                order[0]
-            })
-            .collect();
-        assert_eq!(
-            firsts,
-            vec![0, 2, 0, 2],
-            "rank by rank over the two idle ones"
-        );
     }
 }

@@ -1,14 +1,13 @@
 //! `prefix`: the backend holding the longest prefix of the request; ties, and requests with
 //! no match, to the least loaded (by prefill queue first).
 
-use super::order::{by_prefill_load, by_replica_rank};
+use super::order::by_prefill_load;
 use super::{CandidateRow, Choice, MatchFacts, Policy, Reason, RequestFacts};
 
 pub struct Prefix;
 
-/// What the prefix policies start from: the candidates by prefill load (router replicas each
-/// taking their own of the least loaded, [`by_replica_rank`]), and where the longest match is
-/// among them (the earliest of equals).
+/// What the prefix policies start from: the candidates by prefill load, and where the longest
+/// match is among them (the earliest of equals).
 pub(super) enum Start {
     /// No match to look at: route by load for this reason, with this matched ratio.
     ByLoad(Vec<usize>, Reason, Option<f64>),
@@ -23,7 +22,6 @@ pub(super) enum Start {
 pub(super) fn start(rows: &[CandidateRow], facts: &RequestFacts) -> Start {
     let mut order: Vec<usize> = (0..rows.len()).collect();
     by_prefill_load(rows, &mut order, facts.turn);
-    by_replica_rank(rows, &mut order, facts.replica_rank);
     let total = match facts.matches {
         MatchFacts::Unavailable => return Start::ByLoad(order, Reason::StoreUnavailable, None),
         MatchFacts::None | MatchFacts::Known { total_tokens: 0 } => {
