@@ -19,9 +19,9 @@ for w in ["shared-prefix", "multi-turn", "prefix-repetition", "bursty"]:
         print(f"{w:18} {os.path.basename(os.path.dirname(os.path.dirname(results)))}  "
               + "  ".join(f"{s} {v[0]:.1f} ({v[1]}, p99 {v[2]:.0f}, imb {v[3]})" for s, v in cells.items()))
     avg = {s: statistics.mean(x[0] for x in v) for s, v in means.items() if v}
-    if not avg:
+    if not all(s in avg for s in systems):
         continue
-    best = min(peers, key=lambda s: avg.get(s, float("inf")))
+    best = min(peers, key=lambda s: avg[s])
     print(f"{w:18} mean of rounds: " + "  ".join(f"{s} {v:.1f}" for s, v in avg.items())
           + f"  | best peer {best}: cost {avg['cost'] / avg[best]:.2f}x, prefix_load "
           f"{avg['prefix_load'] / avg[best]:.2f}x; ÷ oracle {avg['cost'] / avg['oracle']:.2f} / "
