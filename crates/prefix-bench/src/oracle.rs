@@ -44,7 +44,9 @@ impl EventView {
     pub async fn start(kv_events: &[String], block_size: usize) -> anyhow::Result<Arc<Self>> {
         let mut subscribers = Vec::new();
         for endpoint in kv_events {
-            subscribers.push(Subscriber::connect(endpoint, Duration::from_secs(10)).await?);
+            subscribers.push(
+                Subscriber::connect(endpoint, Default::default(), Duration::from_secs(10)).await?,
+            );
         }
         let view = Arc::new_cyclic(|weak: &std::sync::Weak<EventView>| {
             let tasks = subscribers
@@ -53,7 +55,8 @@ impl EventView {
                 .map(|(server, mut sub)| {
                     let weak = weak.clone();
                     tokio::spawn(async move {
-                        while let Ok(received) = sub.next().await {
+                        loop {
+                            let received = sub.next().await;
                             let Some(view) = weak.upgrade() else { return };
                             match received {
                                 Received::Message(Ok(m)) => view.apply(server as u64, &m.batch),
@@ -61,7 +64,9 @@ impl EventView {
                                     view.skipped.fetch_add(1, Relaxed);
                                 }
                                 // The benchmark's servers stay up for the run.
-                                Received::Disconnected | Received::Reconnected => {}
+                                Received::Refused(_)
+                                | Received::Disconnected
+                                | Received::Reconnected => {}
                             }
                         }
                     })

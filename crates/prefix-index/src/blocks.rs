@@ -133,7 +133,15 @@ impl Holders {
 /// What one backend holds: its hashes mapped to our names.
 struct Backend {
     slot: u32,
-    blocks: Mutex<HashMap<u64, u64, foldhash::fast::RandomState>>,
+    blocks: Mutex<Held>,
+}
+
+#[derive(Default)]
+struct Held {
+    names: HashMap<u64, u64, foldhash::fast::RandomState>,
+    /// Set by [`BlockIndex::clear`] under this lock: a report that took the backend before
+    /// it was cleared adds nothing (its slot may already name another backend).
+    gone: bool,
 }
 
 /// Why a report was not (fully) applied.
@@ -213,7 +221,11 @@ impl BlockIndex {
             return Err(BlockError::WrongLength);
         }
         let b = self.backend(backend);
-        let mut blocks = b.blocks.lock();
+        let mut held = b.blocks.lock();
+        if held.gone {
+            return Ok(0);
+        }
+        let blocks = &mut held.names;
         let mut ours = match parent {
             None => None,
             Some(p) => Some(*blocks.get(&p).ok_or(BlockError::UnknownParent)?),
@@ -227,18 +239,28 @@ impl BlockIndex {
         let Some(&(_, first)) = names.first() else {
             return Ok(0);
         };
-        let mut shard = self.shards[shard_of(first)].write();
+        let here = shard_of(first);
+        // Names a reused hash stood for before, living in another sequence's shard.
+        let mut elsewhere = Vec::new();
+        let mut shard = self.shards[here].write();
         let mut added = 0;
+        let mut outcome = Ok(());
         for (ext, name) in names {
             if blocks.len() >= self.max_blocks_per_backend && !blocks.contains_key(&ext) {
-                return Err(BlockError::Full);
+                outcome = Err(BlockError::Full);
+                break;
             }
             if let Some(old) = blocks.insert(ext, name) {
                 if old == name {
                     continue;
                 }
-                // The same hash named other tokens (a reused id): the old block goes.
-                drop_holder(&mut shard, old, b.slot);
+                // The same hash named other tokens (a reused id): the old block goes, from
+                // the shard of its own sequence.
+                if shard_of(old) == here {
+                    drop_holder(&mut shard, old, b.slot);
+                } else {
+                    elsewhere.push(old);
+                }
             }
             match shard.entry(name) {
                 std::collections::hash_map::Entry::Vacant(v) => {
@@ -252,7 +274,20 @@ impl BlockIndex {
                 }
             }
         }
-        Ok(added)
+        drop(shard);
+        self.drop_names(&mut elsewhere, b.slot);
+        outcome.map(|()| added)
+    }
+
+    /// Drops `slot` from the holders of `names` (sorted here), one shard lock at a time.
+    fn drop_names(&self, names: &mut [u64], slot: u32) {
+        names.sort_unstable_by_key(|&n| shard_of(n));
+        for group in names.chunk_by(|a, c| shard_of(*a) == shard_of(*c)) {
+            let mut shard = self.shards[shard_of(group[0])].write();
+            for &name in group {
+                drop_holder(&mut shard, name, slot);
+            }
+        }
     }
 
     /// `backend` reports it evicted these blocks. Returns how many it held; the rest were
@@ -261,15 +296,12 @@ impl BlockIndex {
         let Some(b) = self.backends.read().get(&backend).cloned() else {
             return 0;
         };
-        let mut blocks = b.blocks.lock();
-        let mut names: Vec<u64> = external.iter().filter_map(|e| blocks.remove(e)).collect();
-        names.sort_unstable_by_key(|&n| shard_of(n));
-        for group in names.chunk_by(|a, c| shard_of(*a) == shard_of(*c)) {
-            let mut shard = self.shards[shard_of(group[0])].write();
-            for &name in group {
-                drop_holder(&mut shard, name, b.slot);
-            }
-        }
+        let mut held = b.blocks.lock();
+        let mut names: Vec<u64> = external
+            .iter()
+            .filter_map(|e| held.names.remove(e))
+            .collect();
+        self.drop_names(&mut names, b.slot);
         names.len()
     }
 
@@ -278,15 +310,12 @@ impl BlockIndex {
         let Some(b) = self.backends.write().remove(&backend) else {
             return 0;
         };
-        let blocks = std::mem::take(&mut *b.blocks.lock());
-        let mut names: Vec<u64> = blocks.into_values().collect();
-        names.sort_unstable_by_key(|&n| shard_of(n));
-        for group in names.chunk_by(|a, c| shard_of(*a) == shard_of(*c)) {
-            let mut shard = self.shards[shard_of(group[0])].write();
-            for &name in group {
-                drop_holder(&mut shard, name, b.slot);
-            }
-        }
+        let mut held = b.blocks.lock();
+        held.gone = true;
+        let mut names: Vec<u64> = std::mem::take(&mut held.names).into_values().collect();
+        self.drop_names(&mut names, b.slot);
+        drop(held);
+        // Only now may another backend take the slot: no holder of it is left.
         self.free_slots.lock().1.push(b.slot);
         names.len()
     }
@@ -296,7 +325,7 @@ impl BlockIndex {
         self.backends
             .read()
             .values()
-            .map(|b| b.blocks.lock().len())
+            .map(|b| b.blocks.lock().names.len())
             .sum()
     }
 
@@ -324,7 +353,7 @@ impl BlockIndex {
             .backends
             .read()
             .values()
-            .map(|b| b.blocks.lock().capacity() * hash_entry)
+            .map(|b| b.blocks.lock().names.capacity() * hash_entry)
             .sum();
         names + hashes
     }
@@ -334,7 +363,7 @@ impl BlockIndex {
         self.backends
             .read()
             .get(&backend)
-            .map_or(0, |b| b.blocks.lock().len())
+            .map_or(0, |b| b.blocks.lock().names.len())
     }
 
     /// For each candidate, in order, the number of leading blocks of `request` (names from
@@ -453,6 +482,64 @@ mod tests {
             Err(BlockError::Full)
         );
         assert_eq!(small.blocks(1), 2);
+    }
+
+    fn names_in_shards(idx: &BlockIndex) -> usize {
+        idx.shards.iter().map(|s| s.read().len()).sum()
+    }
+
+    /// A backend that reuses one hash for other tokens (vLLM recycles block ids): the old
+    /// name leaves its own shard, so nothing is left behind for the cap to miss, for `clear`
+    /// to keep, or for the slot's next backend to inherit.
+    #[test]
+    fn a_reused_hash_leaves_no_ghost_in_another_shard() {
+        let idx = BlockIndex::new(BlockHasher::new(2, 0), 1000);
+        let mut shards_seen = std::collections::HashSet::new();
+        for round in 0..200u32 {
+            let tokens = [round, round.wrapping_mul(7919)];
+            idx.stored(1, None, &[1], &tokens, 2).unwrap();
+            shards_seen.insert(shard_of(idx.hasher.hash(&tokens)[0]));
+            assert_eq!(names_in_shards(&idx), 1, "round {round}");
+        }
+        assert!(shards_seen.len() > 1, "the rounds crossed shards");
+        assert_eq!(idx.total_blocks(), 1);
+        assert_eq!(idx.clear(1), 1);
+        assert_eq!(names_in_shards(&idx), 0);
+        // The freed slot's next backend holds nothing it did not report.
+        let request = idx.hasher.hash(&[5, 5 * 7919]);
+        assert_eq!(idx.matches(&request, &[2]), vec![0]);
+    }
+
+    /// Reports racing a clear never leave holders on the freed slot.
+    #[test]
+    fn reports_racing_a_clear_leave_nothing_behind() {
+        let idx = std::sync::Arc::new(BlockIndex::new(BlockHasher::new(2, 0), 1 << 20));
+        let writers: Vec<_> = (0..2u64)
+            .map(|w| {
+                let idx = idx.clone();
+                std::thread::spawn(move || {
+                    for i in 0..20_000u64 {
+                        let tokens = [(w * 1_000_000 + i) as u32, 3];
+                        let _ = idx.stored(1, None, &[i], &tokens, 2);
+                    }
+                })
+            })
+            .collect();
+        let clearer = {
+            let idx = idx.clone();
+            std::thread::spawn(move || {
+                for _ in 0..2_000 {
+                    idx.clear(1);
+                }
+            })
+        };
+        for t in writers {
+            t.join().unwrap();
+        }
+        clearer.join().unwrap();
+        idx.clear(1);
+        assert_eq!(names_in_shards(&idx), 0);
+        assert_eq!(idx.total_blocks(), 0);
     }
 
     #[test]

@@ -589,6 +589,7 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
             chunks: vec![1, 2, 3],
             blocks: None,
             bytes: Some(u64::MAX),
+            block_size: None,
         }],
         load: Some(vec![wire::Load {
             backend: 12345,

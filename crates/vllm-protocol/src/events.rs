@@ -15,6 +15,8 @@
 
 use rmpv::Value;
 
+use crate::msgpack::{Cursor, ReadError};
+
 /// A block hash as vLLM published it, as a key: an int as is, bytes by their xxh3 (vLLM's hashes
 /// are not reproduced here, only matched).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -135,30 +137,60 @@ pub fn decode_message(frames: &[&[u8]]) -> Result<EventMessage, EventError> {
 /// Nesting deeper than this is no batch of vLLM's (its deepest is extra_keys' tuples).
 const MAX_DEPTH: usize = 16;
 
-/// Decodes one msgpack payload.
-pub fn decode_batch(mut payload: &[u8]) -> Result<EventBatch, EventError> {
-    let value = rmpv::decode::read_value_with_max_depth(&mut payload, MAX_DEPTH)
-        .map_err(|e| EventError::Msgpack(e.to_string()))?;
-    let Value::Array(parts) = value else {
+impl From<ReadError> for EventError {
+    fn from(e: ReadError) -> Self {
+        EventError::Msgpack(e.to_string())
+    }
+}
+
+/// Decodes one msgpack payload, reading it in place: token ids and hashes go straight into
+/// their vectors (no value per element), and every declared length is checked against the
+/// bytes left before anything is reserved.
+pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, EventError> {
+    let mut c = Cursor::new(payload);
+    let Some(parts) = c.array()? else {
+        c.skip(MAX_DEPTH)?;
         return Err(EventError::Batch("not an array"));
     };
-    let ts = match parts.first() {
-        Some(Value::F64(t)) => *t,
-        Some(Value::F32(t)) => f64::from(*t),
-        Some(Value::Integer(i)) => i.as_f64().unwrap_or(0.0),
-        _ => return Err(EventError::Batch("no timestamp")),
+    if parts == 0 {
+        return Err(EventError::Batch("no timestamp"));
+    }
+    let Some(ts) = c.float()? else {
+        return Err(EventError::Batch("no timestamp"));
     };
-    let Some(Value::Array(raw_events)) = parts.get(1) else {
+    if parts < 2 {
+        return Err(EventError::Batch("no list of events"));
+    }
+    let Some(count) = c.array()? else {
         return Err(EventError::Batch("no list of events"));
     };
-    let data_parallel_rank = parts.get(2).and_then(as_u32);
-    let mut events = Vec::with_capacity(raw_events.len());
+    let mut events = Vec::with_capacity(count.min(1024));
     let mut skipped = Vec::new();
-    for raw in raw_events {
-        match decode_event(raw) {
+    for _ in 0..count {
+        // Where the event ends is found first, so a bad field skips only its event.
+        let mut probe = c;
+        probe.skip(MAX_DEPTH)?;
+        let mut one = c;
+        match decode_event(&mut one) {
             Ok(e) => events.push(e),
+            Err(EventError::Msgpack(m)) => return Err(EventError::Msgpack(m)),
             Err(e) => skipped.push(e),
         }
+        c = probe;
+    }
+    let data_parallel_rank = if parts >= 3 {
+        let rank = c
+            .int()?
+            .and_then(|(v, negative)| (!negative).then_some(v).and_then(|v| u32::try_from(v).ok()));
+        if rank.is_none() {
+            c.skip(MAX_DEPTH)?;
+        }
+        rank
+    } else {
+        None
+    };
+    for _ in 3..parts {
+        c.skip(MAX_DEPTH)?;
     }
     Ok(EventBatch {
         ts,
@@ -168,11 +200,69 @@ pub fn decode_batch(mut payload: &[u8]) -> Result<EventBatch, EventError> {
     })
 }
 
-/// The fields of one event, by name, whichever of vLLM's two shapes it came in.
-struct Fields<'a> {
-    kind: &'static str,
-    map: Option<&'a [(Value, Value)]>,
-    array: &'a [Value],
+/// A field as read: absent (or nil), a value, or a value of the wrong kind.
+#[derive(Default)]
+enum Field<T> {
+    #[default]
+    Absent,
+    Read(T),
+    Wrong,
+}
+
+impl<T> Field<T> {
+    /// The value, if present and of the right kind; an error if of the wrong kind.
+    fn optional(
+        self,
+        kind: &'static str,
+        field: &'static str,
+        problem: &'static str,
+    ) -> Result<Option<T>, EventError> {
+        match self {
+            Field::Absent => Ok(None),
+            Field::Read(v) => Ok(Some(v)),
+            Field::Wrong => Err(EventError::Field {
+                kind,
+                field,
+                problem,
+            }),
+        }
+    }
+
+    fn required(
+        self,
+        kind: &'static str,
+        field: &'static str,
+        problem: &'static str,
+    ) -> Result<T, EventError> {
+        self.optional(kind, field, problem)?
+            .ok_or(EventError::Field {
+                kind,
+                field,
+                problem,
+            })
+    }
+
+    /// The value if it was read; absent or wrong alike give nothing (lenient fields).
+    fn ok(self) -> Option<T> {
+        match self {
+            Field::Read(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+/// The fields of one event that this crate reads, whichever of vLLM's two shapes it came in.
+#[derive(Default)]
+struct RawEvent {
+    block_hashes: Field<Vec<ExternalHash>>,
+    parent: Field<ExternalHash>,
+    token_ids: Field<Vec<u32>>,
+    block_size: Field<u32>,
+    lora_id: Field<String>,
+    lora_name: Field<String>,
+    medium: Field<String>,
+    extra_keys: Field<bool>,
+    group_idx: Field<u32>,
 }
 
 /// Field order of the array shape, after the tag.
@@ -187,143 +277,208 @@ const STORED_ORDER: [&str; 7] = [
 ];
 const REMOVED_ORDER: [&str; 2] = ["block_hashes", "medium"];
 
-impl<'a> Fields<'a> {
-    fn get(&self, name: &str) -> Option<&'a Value> {
-        let value = match self.map {
-            Some(map) => map
-                .iter()
-                .find(|(k, _)| k.as_str() == Some(name))
-                .map(|(_, v)| v),
-            None => {
-                let order: &[&str] = match self.kind {
-                    "BlockStored" => &STORED_ORDER,
-                    "BlockRemoved" => &REMOVED_ORDER,
-                    _ => &[],
-                };
-                let i = order.iter().position(|f| *f == name)?;
-                self.array.get(i + 1)
-            }
-        };
-        value.filter(|v| !v.is_nil())
-    }
-
-    fn error(&self, field: &'static str, problem: &'static str) -> EventError {
-        EventError::Field {
-            kind: self.kind,
-            field,
-            problem,
+impl RawEvent {
+    /// Reads the value of field `name` into its place (the caller passes over the value).
+    fn read(&mut self, name: &[u8], c: &mut Cursor<'_>) -> Result<(), EventError> {
+        if c.nil()? {
+            return Ok(());
         }
-    }
-
-    fn hashes(&self, field: &'static str) -> Result<Vec<ExternalHash>, EventError> {
-        match self.get(field) {
-            Some(Value::Array(items)) => items
-                .iter()
-                .map(|v| hash(v).ok_or_else(|| self.error(field, "holds a value that is no hash")))
-                .collect(),
-            _ => Err(self.error(field, "is missing or not a list")),
+        match name {
+            b"block_hashes" => self.block_hashes = hashes(c)?,
+            b"parent_block_hash" => self.parent = field(hash(c)?),
+            b"token_ids" => self.token_ids = token_ids(c)?,
+            b"block_size" => self.block_size = field(small(c)?),
+            b"lora_id" => self.lora_id = field(text(c)?),
+            b"lora_name" => self.lora_name = field(text(c)?),
+            b"medium" => self.medium = field(text(c)?),
+            b"group_idx" => self.group_idx = field(small(c)?),
+            b"extra_keys" => self.extra_keys = extra_keys(c)?,
+            _ => {}
         }
-    }
-
-    fn string(&self, field: &'static str) -> Option<String> {
-        match self.get(field)? {
-            Value::String(s) => s.as_str().map(str::to_owned),
-            Value::Integer(i) => Some(i.to_string()),
-            _ => None,
-        }
+        Ok(())
     }
 }
 
-fn as_u32(v: &Value) -> Option<u32> {
-    v.as_u64().and_then(|n| u32::try_from(n).ok())
+fn field<T>(v: Option<T>) -> Field<T> {
+    v.map_or(Field::Wrong, Field::Read)
 }
 
-fn hash(v: &Value) -> Option<ExternalHash> {
-    match v {
-        // Python ints: vLLM's are 64-bit, taken modulo 2^64 when negative.
-        Value::Integer(i) => i
-            .as_u64()
-            .or_else(|| i.as_i64().map(|n| n as u64))
-            .map(ExternalHash),
-        Value::Binary(b) => Some(ExternalHash(xxhash_rust::xxh3::xxh3_64(b))),
-        _ => None,
+/// Python ints (vLLM's hashes are 64-bit, taken modulo 2^64 when negative) as they are, bytes
+/// by their xxh3.
+fn hash(c: &mut Cursor<'_>) -> Result<Option<ExternalHash>, ReadError> {
+    if let Some((v, _)) = c.int()? {
+        return Ok(Some(ExternalHash(v)));
     }
+    Ok(c.bin()?
+        .map(|b| ExternalHash(xxhash_rust::xxh3::xxh3_64(b))))
 }
 
-fn kind_of(name: &str) -> Option<&'static str> {
+/// A non-negative integer that fits in 32 bits.
+fn small(c: &mut Cursor<'_>) -> Result<Option<u32>, ReadError> {
+    Ok(c.int()?
+        .and_then(|(v, negative)| (!negative).then_some(v))
+        .and_then(|v| u32::try_from(v).ok()))
+}
+
+/// A string, or an integer as its decimal text.
+fn text(c: &mut Cursor<'_>) -> Result<Option<String>, ReadError> {
+    if let Some(s) = c.str()? {
+        return Ok(std::str::from_utf8(s).ok().map(str::to_owned));
+    }
+    Ok(c.int()?.map(|(v, negative)| {
+        if negative {
+            (v as i64).to_string()
+        } else {
+            v.to_string()
+        }
+    }))
+}
+
+fn hashes(c: &mut Cursor<'_>) -> Result<Field<Vec<ExternalHash>>, EventError> {
+    let Some(n) = c.array()? else {
+        return Ok(Field::Wrong);
+    };
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        match hash(c)? {
+            Some(h) => out.push(h),
+            None => return Ok(Field::Wrong),
+        }
+    }
+    Ok(Field::Read(out))
+}
+
+fn token_ids(c: &mut Cursor<'_>) -> Result<Field<Vec<u32>>, EventError> {
+    let Some(n) = c.array()? else {
+        return Ok(Field::Wrong);
+    };
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        match small(c)? {
+            Some(t) => out.push(t),
+            None => return Ok(Field::Wrong),
+        }
+    }
+    Ok(Field::Read(out))
+}
+
+/// Whether any block has extra keys (any element not nil).
+fn extra_keys(c: &mut Cursor<'_>) -> Result<Field<bool>, EventError> {
+    let Some(n) = c.array()? else {
+        return Ok(Field::Wrong);
+    };
+    let mut any = false;
+    for _ in 0..n {
+        if !c.nil()? {
+            any = true;
+            c.skip(MAX_DEPTH)?;
+        }
+    }
+    Ok(Field::Read(any))
+}
+
+fn kind_of(name: &[u8]) -> Option<&'static str> {
     ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
         .into_iter()
-        .find(|k| *k == name)
+        .find(|k| k.as_bytes() == name)
 }
 
-fn decode_event(raw: &Value) -> Result<KvEvent, EventError> {
-    let (name, fields) = match raw {
-        Value::Map(map) => {
-            let name = map
-                .iter()
-                .find(|(k, _)| k.as_str() == Some("type"))
-                .and_then(|(_, v)| v.as_str())
-                .ok_or(EventError::Shape)?;
-            (name, (Some(map.as_slice()), &[][..]))
+/// Reads one event (the cursor is left anywhere inside it: the caller knows where it ends).
+fn decode_event(c: &mut Cursor<'_>) -> Result<KvEvent, EventError> {
+    let mut raw = RawEvent::default();
+    let kind = if let Some(pairs) = c.map()? {
+        let mut kind = None;
+        for _ in 0..pairs {
+            let Some(key) = c.str()? else {
+                c.skip(MAX_DEPTH)?;
+                c.skip(MAX_DEPTH)?;
+                continue;
+            };
+            if key == b"type" {
+                let name = c.str()?.ok_or(EventError::Shape)?;
+                kind = Some(kind_of(name).ok_or_else(|| unknown(name))?);
+                continue;
+            }
+            let mut value = *c;
+            c.skip(MAX_DEPTH)?;
+            raw.read(key, &mut value)?;
         }
-        Value::Array(items) => {
-            let name = items
-                .first()
-                .and_then(Value::as_str)
-                .ok_or(EventError::Shape)?;
-            (name, (None, items.as_slice()))
+        kind.ok_or(EventError::Shape)?
+    } else if let Some(items) = c.array()? {
+        let name = match items {
+            0 => None,
+            _ => c.str()?,
+        };
+        let name = name.ok_or(EventError::Shape)?;
+        let kind = kind_of(name).ok_or_else(|| unknown(name))?;
+        let order: &[&str] = match kind {
+            "BlockStored" => &STORED_ORDER,
+            "BlockRemoved" => &REMOVED_ORDER,
+            _ => &[],
+        };
+        for i in 0..items - 1 {
+            let mut value = *c;
+            c.skip(MAX_DEPTH)?;
+            if let Some(name) = order.get(i) {
+                raw.read(name.as_bytes(), &mut value)?;
+            }
         }
-        _ => return Err(EventError::Shape),
+        kind
+    } else {
+        return Err(EventError::Shape);
     };
-    let kind =
-        kind_of(name).ok_or_else(|| EventError::UnknownType(name.chars().take(64).collect()))?;
-    let f = Fields {
-        kind,
-        map: fields.0,
-        array: fields.1,
-    };
+    build(kind, raw)
+}
+
+fn unknown(name: &[u8]) -> EventError {
+    EventError::UnknownType(String::from_utf8_lossy(name).chars().take(64).collect())
+}
+
+fn build(kind: &'static str, raw: RawEvent) -> Result<KvEvent, EventError> {
     match kind {
         "BlockStored" => {
-            let block_hashes = f.hashes("block_hashes")?;
-            let parent = match f.get("parent_block_hash") {
-                None => None,
-                Some(v) => Some(hash(v).ok_or_else(|| f.error("parent_block_hash", "is no hash"))?),
-            };
-            let token_ids = match f.get("token_ids") {
-                Some(Value::Array(ids)) => ids
-                    .iter()
-                    .map(|v| {
-                        as_u32(v).ok_or_else(|| {
-                            f.error("token_ids", "holds a value that is no token id")
-                        })
+            let block_hashes = raw.block_hashes.required(
+                kind,
+                "block_hashes",
+                "is missing or not a list of hashes",
+            )?;
+            let parent = raw
+                .parent
+                .optional(kind, "parent_block_hash", "is no hash")?;
+            let token_ids = raw.token_ids.required(
+                kind,
+                "token_ids",
+                "is missing or not a list of token ids",
+            )?;
+            let block_size = raw
+                .block_size
+                .required(kind, "block_size", "is missing or not a positive integer")
+                .and_then(|b| {
+                    (b > 0).then_some(b).ok_or(EventError::Field {
+                        kind,
+                        field: "block_size",
+                        problem: "is missing or not a positive integer",
                     })
-                    .collect::<Result<Vec<u32>, _>>()?,
-                _ => return Err(f.error("token_ids", "is missing or not a list")),
-            };
-            let block_size = f
-                .get("block_size")
-                .and_then(as_u32)
-                .filter(|&b| b > 0)
-                .ok_or_else(|| f.error("block_size", "is missing or not a positive integer"))?;
-            let extra_keys = match f.get("extra_keys") {
-                Some(Value::Array(keys)) => keys.iter().any(|k| !k.is_nil()),
-                _ => false,
-            };
+                })?;
             Ok(KvEvent::Stored(BlockStored {
                 block_hashes,
                 parent,
                 token_ids,
                 block_size,
-                lora: f.string("lora_name").or_else(|| f.string("lora_id")),
-                medium: f.string("medium"),
-                extra_keys,
-                group_idx: f.get("group_idx").and_then(as_u32),
+                lora: raw.lora_name.ok().or(raw.lora_id.ok()),
+                medium: raw.medium.ok(),
+                extra_keys: raw.extra_keys.ok().unwrap_or(false),
+                group_idx: raw.group_idx.ok(),
             }))
         }
         "BlockRemoved" => Ok(KvEvent::Removed(BlockRemoved {
-            block_hashes: f.hashes("block_hashes")?,
-            medium: f.string("medium"),
-            group_idx: f.get("group_idx").and_then(as_u32),
+            block_hashes: raw.block_hashes.required(
+                kind,
+                "block_hashes",
+                "is missing or not a list of hashes",
+            )?,
+            medium: raw.medium.ok(),
+            group_idx: raw.group_idx.ok(),
         })),
         _ => Ok(KvEvent::AllCleared),
     }

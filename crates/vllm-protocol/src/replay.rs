@@ -15,9 +15,10 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use bytes::Bytes;
-use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+use zeromq::{SocketRecv, SocketSend, ZmqMessage};
 
 use crate::events::{decode_message, EventMessage};
+use crate::zmtp::{Connection, Limits, SocketType};
 
 /// The sequence number that ends a replay (−1 as vLLM writes it).
 pub const END_OF_REPLAY: [u8; 8] = (-1i64).to_be_bytes();
@@ -48,9 +49,15 @@ pub enum Replayed {
 }
 
 /// Asks the publisher's replay socket at `endpoint` for every batch from `from` on; the whole
-/// exchange takes at most `timeout`.
-pub async fn replay(endpoint: &str, from: u64, timeout: Duration) -> Result<Replayed, ReplayError> {
-    match tokio::time::timeout(timeout, exchange(endpoint, from)).await {
+/// exchange takes at most `timeout`, each message at most `limits`, all of them together at
+/// most [`MAX_REPLAY_BYTES`].
+pub async fn replay(
+    endpoint: &str,
+    from: u64,
+    limits: Limits,
+    timeout: Duration,
+) -> Result<Replayed, ReplayError> {
+    match tokio::time::timeout(timeout, exchange(endpoint, from, limits, timeout)).await {
         Ok(result) => result,
         Err(_) => Err(ReplayError::Timeout {
             endpoint: endpoint.to_owned(),
@@ -59,10 +66,16 @@ pub async fn replay(endpoint: &str, from: u64, timeout: Duration) -> Result<Repl
     }
 }
 
-async fn exchange(endpoint: &str, from: u64) -> Result<Replayed, ReplayError> {
-    let mut socket = zeromq::DealerSocket::new();
-    socket
-        .connect(endpoint)
+/// The payload bytes one replay may bring at most.
+pub const MAX_REPLAY_BYTES: usize = 256 << 20;
+
+async fn exchange(
+    endpoint: &str,
+    from: u64,
+    limits: Limits,
+    timeout: Duration,
+) -> Result<Replayed, ReplayError> {
+    let mut socket = Connection::connect(endpoint, SocketType::Dealer, limits, timeout)
         .await
         .map_err(|e| ReplayError::Connect {
             endpoint: endpoint.to_owned(),
@@ -72,13 +85,12 @@ async fn exchange(endpoint: &str, from: u64) -> Result<Replayed, ReplayError> {
         endpoint: endpoint.to_owned(),
         reason,
     };
-    let mut request = ZmqMessage::from(Bytes::new());
-    request.push_back(Bytes::copy_from_slice(&from.to_be_bytes()));
     socket
-        .send(request)
+        .send(&[b"", &from.to_be_bytes()])
         .await
         .map_err(|e| failed(e.to_string()))?;
     let mut messages: Vec<EventMessage> = Vec::new();
+    let mut bytes = 0usize;
     loop {
         let message = socket.recv().await.map_err(|e| failed(e.to_string()))?;
         let mut frames: Vec<&[u8]> = message.iter().map(|f| f.as_ref()).collect();
@@ -93,8 +105,14 @@ async fn exchange(endpoint: &str, from: u64) -> Result<Replayed, ReplayError> {
         if seq == END_OF_REPLAY {
             return Ok(Replayed::Filled(messages));
         }
+        bytes += payload.len();
+        if bytes > MAX_REPLAY_BYTES {
+            return Err(failed(format!("more than {MAX_REPLAY_BYTES} bytes")));
+        }
         let message = decode_message(&[b"", seq, payload]).map_err(|e| failed(e.to_string()))?;
-        let expected = from + messages.len() as u64;
+        let Some(expected) = from.checked_add(messages.len() as u64) else {
+            return Err(failed("sequence numbers past 2^64".into()));
+        };
         if message.seq != expected {
             // The buffer starts later than wanted (dropping the socket ends the exchange).
             if messages.is_empty() && message.seq > from {

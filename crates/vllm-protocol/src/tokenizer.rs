@@ -773,6 +773,41 @@ mod tests {
         }
     }
 
+    /// Long unique "words" (a base64 blob, a run without spaces) are tokenized but not kept,
+    /// and what is kept is bounded in bytes, not in entries.
+    #[test]
+    fn the_word_cache_is_bounded_in_bytes() {
+        let dir = std::env::temp_dir().join(format!("vllm-protocol-cache-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        sentencepiece_like(&dir);
+        let ours = ChatTokenizer::from_dir(&dir).unwrap();
+        let words = ours.words.as_ref().unwrap();
+        let reference = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        for i in 0..4u32 {
+            // 64 kB, one word, unique per request.
+            let blob: String = std::iter::repeat_n("ab", 32 << 10)
+                .chain(std::iter::once(format!("cd{i}").as_str()))
+                .collect();
+            let ids = ours.encode(&blob, false).unwrap();
+            if i == 0 {
+                assert_eq!(
+                    ids,
+                    reference.encode(blob.as_str(), false).unwrap().get_ids()
+                );
+            }
+        }
+        assert!(
+            words.cached_bytes() < 64 << 10,
+            "{} bytes cached after 4 long words",
+            words.cached_bytes()
+        );
+        // Many distinct short words: the cache stays within its byte bound.
+        for i in 0..100_000u32 {
+            ours.encode(&format!("x{i:x}"), false).unwrap();
+        }
+        assert!(words.cached_bytes() <= 16 << 20, "{}", words.cached_bytes());
+    }
+
     #[test]
     fn content_format_detection() {
         assert!(iterates_over_content(

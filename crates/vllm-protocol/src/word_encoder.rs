@@ -18,12 +18,27 @@ use tokenizers::pre_tokenizers::metaspace::PrependScheme;
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::Model;
 
-/// Words kept per cache shard; a full shard is emptied (a cheap, crude bound).
-const SHARD_WORDS: usize = 1 << 14;
+/// Bytes (words' text and ids) kept per cache shard; a full shard is emptied (a cheap, crude
+/// bound): 16 shards of 1 MiB.
+const SHARD_BYTES: usize = 1 << 20;
 const SHARDS: usize = 16;
+/// Longer words are not cached: real words repeat and are short; a long "word" (a base64
+/// blob, a run without spaces) is usually unique, and one would fill a shard by itself.
+const MAX_CACHED_WORD: usize = 256;
 
-/// One shard of the word cache: a word's text to its token ids.
-type WordShard = RwLock<HashMap<Box<str>, Box<[u32]>, foldhash::fast::RandomState>>;
+/// One shard of the word cache: a word's text to its token ids, and the bytes they take.
+#[derive(Default)]
+struct WordShard {
+    words: HashMap<Box<str>, Box<[u32]>, foldhash::fast::RandomState>,
+    bytes: usize,
+}
+
+impl WordShard {
+    /// What one entry costs: its text, its ids and the table's own share.
+    fn cost(word: &str, ids: &[u32]) -> usize {
+        word.len() + 4 * ids.len() + 48
+    }
+}
 
 pub(crate) struct WordEncoder {
     mark: char,
@@ -34,7 +49,7 @@ pub(crate) struct WordEncoder {
     /// Ids the post-processor puts around a sequence when special tokens are added.
     special_prefix: Vec<u32>,
     special_suffix: Vec<u32>,
-    cache: Vec<WordShard>,
+    cache: Vec<RwLock<WordShard>>,
 }
 
 impl WordEncoder {
@@ -98,6 +113,12 @@ impl WordEncoder {
     }
 
     /// The ids of `text`, as the pipeline gives them.
+    /// Bytes the word cache holds now (its entries' cost).
+    #[cfg(test)]
+    pub(crate) fn cached_bytes(&self) -> usize {
+        self.cache.iter().map(|s| s.read().bytes).sum()
+    }
+
     pub(crate) fn encode(
         &self,
         model: &ModelWrapper,
@@ -173,18 +194,26 @@ impl WordEncoder {
         ids: &mut Vec<u32>,
     ) -> Result<(), String> {
         let shard = &self.cache[(xxhash_rust::xxh3::xxh3_64(word.as_bytes()) as usize) % SHARDS];
-        if let Some(cached) = shard.read().get(word) {
+        if let Some(cached) = shard.read().words.get(word) {
             ids.extend_from_slice(cached);
             return Ok(());
         }
         let tokens = model.tokenize(word).map_err(|e| e.to_string())?;
+        if word.len() > MAX_CACHED_WORD {
+            ids.extend(tokens.iter().map(|t| t.id));
+            return Ok(());
+        }
         let word_ids: Box<[u32]> = tokens.iter().map(|t| t.id).collect();
         ids.extend_from_slice(&word_ids);
+        let cost = WordShard::cost(word, &word_ids);
         let mut shard = shard.write();
-        if shard.len() >= SHARD_WORDS {
-            shard.clear();
+        if shard.bytes + cost > SHARD_BYTES {
+            shard.words = HashMap::default();
+            shard.bytes = 0;
         }
-        shard.insert(word.into(), word_ids);
+        if shard.words.insert(word.into(), word_ids).is_none() {
+            shard.bytes += cost;
+        }
         Ok(())
     }
 }

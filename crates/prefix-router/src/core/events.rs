@@ -14,10 +14,15 @@
 //! Right after a request is routed, the chosen backend is credited with the request's blocks
 //! for a short time (`--kv-credit`), so that a burst of siblings co-locates before the backend
 //! has computed the prefix and said so.
+//!
+//! Each backend's block size is its own (read from its events: another model, another vLLM
+//! setting), and so is the index its blocks live in: a request is named once per block size
+//! among its candidates. A feed is only used while its reports apply: one whose block size is
+//! not known yet, or whose stores keep failing, is matched by the string index instead.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering::Relaxed};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
@@ -29,7 +34,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-use vllm_protocol::{EventBatch, KvEvent, Received, Replayed, Subscriber};
+use vllm_protocol::{EventBatch, FrameLimits, KvEvent, Received, Replayed, Subscriber};
 
 use super::backend::Backend;
 
@@ -40,6 +45,12 @@ const MAX_BLOCKS_PER_BACKEND: usize = 4 << 20;
 const MAX_CREDITS: usize = 256;
 /// A replay (up to vLLM's 10,000 buffered batches) that takes longer is given up.
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
+/// A feed whose last this many stores all failed (parents never seen, ragged blocks, the
+/// per-backend bound) is not matched from: its index no longer says what the backend holds.
+const MAX_FAILED_STORES: u32 = 8;
+/// A sequence number this far behind the last one is no replayed batch but a renumbered
+/// publisher (or a broken one): the feed starts over instead of dropping everything after it.
+const MAX_BEHIND: u64 = 1 << 20;
 
 /// Where a backend's events come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,6 +70,31 @@ pub struct EventSettings {
     pub credit: Duration,
     /// The hash seed of block names (as the string index's).
     pub seed: u64,
+    /// The largest message (and frame) accepted from a publisher or its replay socket.
+    pub max_message: usize,
+}
+
+/// A request's token-block names, per block size among its candidates (one in most fleets).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BlockNames(Vec<(u32, Arc<[u64]>)>);
+
+impl BlockNames {
+    /// The names under one block size.
+    pub fn of_size(names: Arc<[u64]>, block_size: u32) -> Self {
+        Self(vec![(block_size, names)])
+    }
+
+    /// The names of blocks of `block_size` tokens, if the request was named so.
+    pub fn sized(&self, block_size: u32) -> Option<&Arc<[u64]>> {
+        self.0
+            .iter()
+            .find(|(size, _)| *size == block_size)
+            .map(|(_, n)| n)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -100,7 +136,7 @@ impl EventMetrics {
         };
         r.register(
             "prefix_router_kv_events",
-            "KV-cache events received, by kind (stored, removed, cleared; skipped: not applicable or unreadable; unknown_blocks: removed blocks never stored here)",
+            "KV-cache events received, by kind (stored, removed, cleared; failed: a store that could not apply; skipped: not for the prefix cache, or unreadable; unknown_blocks: removed blocks never stored here; behind: a batch already applied; refused: a publisher disconnected for breaking the protocol or the size limits)",
             m.events.clone(),
         );
         r.register(
@@ -158,8 +194,20 @@ struct FeedState {
     /// When a warming feed becomes live (ms since the index's start).
     live_at_ms: AtomicU64,
     connected: AtomicBool,
+    /// The backend's block size as its events say (0: no block stored yet).
+    block_size: AtomicU32,
+    /// Stores that failed since the last one that applied.
+    failed_stores: AtomicU32,
     /// Recent routings here: (until, block names), oldest first.
     credits: Mutex<VecDeque<(Instant, Arc<[u64]>)>>,
+}
+
+impl FeedState {
+    /// The block size its index answers under, if its reports apply.
+    fn usable_block_size(&self) -> Option<u32> {
+        let size = self.block_size.load(Relaxed);
+        (size > 0 && self.failed_stores.load(Relaxed) < MAX_FAILED_STORES).then_some(size)
+    }
 }
 
 /// A running subscription.
@@ -170,8 +218,9 @@ struct Task {
 
 /// The token-block index fed by the backends' events.
 pub struct KvEvents {
-    /// Created at the first stored block (vLLM's block size); until then nothing is live.
-    index: OnceLock<BlockIndex>,
+    /// One index per block size, created at the first block stored of that size.
+    indexes: ArcSwap<Vec<(u32, Arc<BlockIndex>)>>,
+    creating: Mutex<()>,
     /// Read on every request without a lock; replaced whole when feeds come and go.
     feeds: ArcSwap<HashMap<ServerId, Arc<FeedState>>>,
     tasks: Mutex<HashMap<ServerId, Task>>,
@@ -183,7 +232,8 @@ pub struct KvEvents {
 impl KvEvents {
     pub fn new(settings: EventSettings, registry: &mut Registry) -> Arc<Self> {
         Arc::new(Self {
-            index: OnceLock::new(),
+            indexes: ArcSwap::default(),
+            creating: Mutex::new(()),
             feeds: ArcSwap::default(),
             tasks: Mutex::default(),
             metrics: EventMetrics::register(registry),
@@ -196,9 +246,32 @@ impl KvEvents {
         self.started.elapsed().as_millis() as u64
     }
 
-    /// The block names of a request's tokens (None until the block size is known).
-    pub fn names(&self, tokens: &[u32]) -> Option<Vec<u64>> {
-        Some(self.index.get()?.hasher().hash(tokens))
+    /// The index of blocks of `block_size` tokens, if one was created.
+    fn index(&self, block_size: u32) -> Option<Arc<BlockIndex>> {
+        self.indexes
+            .load()
+            .iter()
+            .find(|(size, _)| *size == block_size)
+            .map(|(_, i)| i.clone())
+    }
+
+    /// The index of blocks of `block_size` tokens, created if needed.
+    fn index_or_new(&self, block_size: u32) -> Arc<BlockIndex> {
+        if let Some(index) = self.index(block_size) {
+            return index;
+        }
+        let _creating = self.creating.lock();
+        if let Some(index) = self.index(block_size) {
+            return index;
+        }
+        let index = Arc::new(BlockIndex::new(
+            BlockHasher::new(block_size as usize, self.settings.seed),
+            MAX_BLOCKS_PER_BACKEND,
+        ));
+        let mut all = (**self.indexes.load()).clone();
+        all.push((block_size, index.clone()));
+        self.indexes.store(Arc::new(all));
+        index
     }
 
     /// Whether a feed is matched from its events now.
@@ -218,60 +291,95 @@ impl KvEvents {
         self.feeds
             .load()
             .get(&backend)
-            .is_some_and(|f| self.is_live(f))
+            .is_some_and(|f| self.is_live(f) && f.usable_block_size().is_some())
+    }
+
+    /// The block size of `backend`'s events, once known.
+    pub fn block_size(&self, backend: ServerId) -> Option<u32> {
+        let size = self.feeds.load().get(&backend)?.block_size.load(Relaxed);
+        (size > 0).then_some(size)
     }
 
     /// For each candidate, the prompt tokens it holds by its events (with credits), or None
-    /// where its feed is not live.
+    /// where its feed is not usable now (not live, no block size known yet, failing stores);
+    /// and the request's block names under each block size that answered.
     pub fn matches(
         &self,
-        names: &[u64],
-        tokens: usize,
+        tokens: &[u32],
         candidates: &[Arc<Backend>],
-    ) -> Vec<Option<u64>> {
-        let Some(index) = self.index.get() else {
-            return vec![None; candidates.len()];
-        };
+    ) -> (Vec<Option<u64>>, BlockNames) {
         let feeds = self.feeds.load();
-        let live: Vec<Option<&Arc<FeedState>>> = candidates
+        let usable: Vec<Option<(&Arc<FeedState>, u32)>> = candidates
             .iter()
-            .map(|b| feeds.get(&b.id).filter(|f| self.is_live(f)))
+            .map(|b| {
+                let feed = feeds.get(&b.id).filter(|f| self.is_live(f))?;
+                Some((feed, feed.usable_block_size()?))
+            })
             .collect();
-        if live.iter().all(Option::is_none) {
-            return vec![None; candidates.len()];
-        }
-        let ids: Vec<ServerId> = candidates.iter().map(|b| b.id).collect();
-        let held = index.matches(names, &ids);
-        let block = index.hasher().block_size() as u64;
-        // vLLM computes at least the last prompt token.
-        let usable = (tokens as u64).saturating_sub(1) / block;
+        let mut out = vec![None; candidates.len()];
+        let mut names = BlockNames::default();
         let now = Instant::now();
-        live.iter()
-            .enumerate()
-            .map(|(i, feed)| {
-                let feed = (*feed)?;
-                let mut best = held[i];
+        for (i, used) in usable.iter().enumerate() {
+            let Some((_, size)) = *used else { continue };
+            if names.sized(size).is_some() {
+                continue;
+            }
+            // The first candidate of a block size: name the request once for all of them.
+            let Some(index) = self.index(size) else {
+                continue;
+            };
+            let sized: Arc<[u64]> = index.hasher().hash(tokens).into();
+            let of_size: Vec<usize> = (i..candidates.len())
+                .filter(|&j| usable[j].is_some_and(|(_, s)| s == size))
+                .collect();
+            let ids: Vec<ServerId> = of_size.iter().map(|&j| candidates[j].id).collect();
+            let held = index.matches(&sized, &ids);
+            // vLLM computes at least the last prompt token.
+            let usable_blocks = (tokens.len() as u64).saturating_sub(1) / u64::from(size);
+            for (k, &j) in of_size.iter().enumerate() {
+                let (feed, _) = usable[j].expect("filtered");
+                let mut best = held[k];
                 for (until, seq) in feed.credits.lock().iter() {
-                    if best as usize >= names.len() {
+                    if best as usize >= sized.len() {
                         break;
                     }
                     if *until > now {
-                        let common = seq.iter().zip(names).take_while(|(a, b)| a == b).count();
+                        let common = seq
+                            .iter()
+                            .zip(sized.iter())
+                            .take_while(|(a, b)| a == b)
+                            .count();
                         best = best.max(common as u64);
                     }
                 }
-                Some(best.min(usable) * block)
-            })
-            .collect()
+                out[j] = Some(best.min(usable_blocks) * u64::from(size));
+            }
+            names.0.push((size, sized));
+        }
+        (out, names)
     }
 
-    /// A request whose blocks are `names` went to `backend`: credit them for a while.
-    pub fn credit(&self, backend: ServerId, names: Arc<[u64]>) {
+    /// A request named `names` went to `backend`: credit its blocks for a while.
+    pub fn credit(&self, backend: ServerId, names: &BlockNames) {
+        let Some(size) = self.block_size(backend) else {
+            return;
+        };
+        if let Some(sized) = names.sized(size) {
+            self.credit_sized(backend, size, sized.clone());
+        }
+    }
+
+    /// Credits `backend` with blocks of `block_size` tokens named `names` (another replica's
+    /// decision), if that is the backend's block size.
+    pub fn credit_sized(&self, backend: ServerId, block_size: u32, names: Arc<[u64]>) {
         if names.is_empty() || self.settings.credit.is_zero() {
             return;
         }
         let feeds = self.feeds.load();
-        let Some(feed) = feeds.get(&backend) else {
+        let Some(feed) = feeds
+            .get(&backend)
+            .filter(|f| f.block_size.load(Relaxed) == block_size)
+        else {
             return;
         };
         let now = Instant::now();
@@ -331,7 +439,7 @@ impl KvEvents {
     }
 
     fn forget_blocks(&self, backend: ServerId) {
-        if let Some(index) = self.index.get() {
+        for (_, index) in self.indexes.load().iter() {
             index.clear(backend);
         }
         if let Some(feed) = self.feeds.load().get(&backend) {
@@ -376,10 +484,11 @@ impl KvEvents {
                 .get_or_create(&StateLabels { state: label })
                 .set(counts[state as usize]);
         }
-        if let Some(index) = self.index.get() {
-            self.metrics.blocks.set(index.total_blocks() as i64);
-            self.metrics.bytes.set(index.approx_bytes() as i64);
-        }
+        let indexes = self.indexes.load();
+        let blocks: usize = indexes.iter().map(|(_, i)| i.total_blocks()).sum();
+        let bytes: usize = indexes.iter().map(|(_, i)| i.approx_bytes()).sum();
+        self.metrics.blocks.set(blocks as i64);
+        self.metrics.bytes.set(bytes as i64);
     }
 
     /// Applies one batch of `backend`'s events (`replayed`: an old batch asked for again, whose
@@ -387,32 +496,50 @@ impl KvEvents {
     fn apply(&self, backend: ServerId, batch: &EventBatch, replayed: bool) -> bool {
         let m = &self.metrics;
         m.count("skipped", batch.skipped.len() as u64);
+        let feeds = self.feeds.load();
+        let Some(feed) = feeds.get(&backend) else {
+            return false;
+        };
         let mut cleared = false;
         for event in &batch.events {
             match event {
                 KvEvent::Stored(s) if s.is_matchable() => {
-                    let index = self.index.get_or_init(|| {
-                        BlockIndex::new(
-                            BlockHasher::new(s.block_size as usize, self.settings.seed),
-                            MAX_BLOCKS_PER_BACKEND,
-                        )
-                    });
+                    let size = s.block_size;
+                    let current = feed.block_size.load(Relaxed);
+                    if current != size {
+                        // The size is the backend's own, set by its first store (and again
+                        // once it holds nothing: a restart, a cleared cache). A store of
+                        // another size while it holds blocks is one that cannot apply.
+                        let holds = self.index(current).map_or(0, |i| i.blocks(backend));
+                        if holds > 0 {
+                            self.store_failed(feed, "a block size other than the backend's");
+                            continue;
+                        }
+                        feed.block_size.store(size, Relaxed);
+                        feed.failed_stores.store(0, Relaxed);
+                    }
                     let hashes: Vec<u64> = vllm_protocol::events::raw_hashes(&s.block_hashes);
-                    match index.stored(
+                    let stored = self.index_or_new(size).stored(
                         backend,
                         s.parent.map(|p| p.0),
                         &hashes,
                         &s.token_ids,
-                        s.block_size as usize,
-                    ) {
-                        Ok(_) => m.count("stored", 1),
-                        Err(_) => m.count("skipped", 1),
+                        size as usize,
+                    );
+                    match stored {
+                        Ok(_) => {
+                            feed.failed_stores.store(0, Relaxed);
+                            m.count("stored", 1);
+                        }
+                        Err(e) => self.store_failed(feed, &e.to_string()),
                     }
                 }
                 KvEvent::Stored(_) => m.count("skipped", 1),
                 KvEvent::Removed(r) if r.is_gpu() => {
                     let hashes: Vec<u64> = vllm_protocol::events::raw_hashes(&r.block_hashes);
-                    let held = self.index.get().map_or(0, |i| i.removed(backend, &hashes));
+                    let held = self
+                        .index(feed.block_size.load(Relaxed))
+                        .map_or(0, |i| i.removed(backend, &hashes));
                     m.count("removed", 1);
                     // Blocks stored before this feed listened, or whose store was skipped.
                     m.count("unknown_blocks", (hashes.len() - held) as u64);
@@ -420,6 +547,7 @@ impl KvEvents {
                 KvEvent::Removed(_) => m.count("skipped", 1),
                 KvEvent::AllCleared => {
                     self.forget_blocks(backend);
+                    feed.failed_stores.store(0, Relaxed);
                     cleared = true;
                     m.count("cleared", 1);
                 }
@@ -432,6 +560,18 @@ impl KvEvents {
             m.lag.observe((now - batch.ts).max(0.0));
         }
         cleared
+    }
+
+    /// A store that could not apply: counted, and after a run of them the feed is not used.
+    fn store_failed(&self, feed: &FeedState, why: &str) {
+        self.metrics.count("failed", 1);
+        let failed = feed.failed_stores.fetch_add(1, Relaxed) + 1;
+        if failed == MAX_FAILED_STORES {
+            tracing::warn!(
+                why,
+                "KV events: a backend's stores keep failing; matching it by strings until one applies"
+            );
+        }
     }
 }
 
@@ -448,6 +588,9 @@ enum Continuity {
     Gap,
     /// A message already applied (the replay that filled a gap brought it first).
     Behind,
+    /// A number far behind the last one: not a replayed batch but a publisher that numbers
+    /// anew (or a broken one). Its view starts over, as after a gap.
+    Renumbered,
 }
 
 fn continuity(last: Option<u64>, seq: u64) -> Continuity {
@@ -456,7 +599,8 @@ fn continuity(last: Option<u64>, seq: u64) -> Continuity {
         None => Continuity::Joined,
         Some(prev) if Some(seq) == prev.checked_add(1) => Continuity::Follows,
         Some(_) if seq == 0 => Continuity::Restarted,
-        Some(prev) if seq <= prev => Continuity::Behind,
+        Some(prev) if seq <= prev && prev - seq <= MAX_BEHIND => Continuity::Behind,
+        Some(prev) if seq <= prev => Continuity::Renumbered,
         Some(_) => Continuity::Gap,
     }
 }
@@ -476,45 +620,45 @@ async fn follow(
     state: Arc<FeedState>,
 ) {
     let endpoint = endpoints.events.as_str();
+    let limits = match events.upgrade() {
+        Some(e) => e.frame_limits(),
+        None => return,
+    };
+    // The first connection; later ones the subscriber makes itself (reported as such).
     let mut backoff = Duration::from_millis(200);
-    let mut first_connection = true;
-    loop {
-        let mut sub = match Subscriber::connect(endpoint, Duration::from_secs(2)).await {
-            Ok(sub) => sub,
+    let mut sub = loop {
+        match Subscriber::connect(endpoint, limits, Duration::from_secs(2)).await {
+            Ok(sub) => break sub,
             Err(e) => {
                 tracing::debug!(endpoint, error = %e, "KV events: no publisher yet");
+                if events.strong_count() == 0 {
+                    return;
+                }
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
-                continue;
-            }
-        };
-        backoff = Duration::from_millis(200);
-        // The last sequence number applied on this connection.
-        let mut last: Option<u64> = None;
-        {
-            let Some(events) = events.upgrade() else {
-                return;
-            };
-            events.start_over(backend, &state, !first_connection);
-            first_connection = false;
-            if let Some(next) = events.fill_in(backend, &endpoints, 0).await {
-                tracing::info!(
-                    endpoint,
-                    batches = next,
-                    "KV events: the publisher's whole stream was replayed; live at once"
-                );
-                state.state.store(LIVE, Relaxed);
-                last = next.checked_sub(1);
             }
         }
+    };
+    // The last sequence number applied on this connection.
+    let mut last: Option<u64> = None;
+    {
+        let Some(events) = events.upgrade() else {
+            return;
+        };
+        events.start_over(backend, &state, false);
+        if let Some(next) = events.fill_in(backend, &endpoints, 0).await {
+            tracing::info!(
+                endpoint,
+                batches = next,
+                "KV events: the publisher's whole stream was replayed; live at once"
+            );
+            state.state.store(LIVE, Relaxed);
+            last = next.checked_sub(1);
+        }
+    }
+    {
         loop {
-            let received = match sub.next().await {
-                Ok(received) => received,
-                Err(e) => {
-                    tracing::warn!(endpoint, error = %e, "KV events: the subscription failed; reconnecting");
-                    break;
-                }
-            };
+            let received = sub.next().await;
             let Some(events) = events.upgrade() else {
                 return;
             };
@@ -523,6 +667,11 @@ async fn follow(
                 Received::Message(Err(e)) => {
                     tracing::debug!(endpoint, error = %e, "KV events: an unreadable message");
                     events.metrics.count("skipped", 1);
+                    continue;
+                }
+                Received::Refused(why) => {
+                    tracing::warn!(endpoint, reason = %why, "KV events: the publisher sent what it must not; disconnected");
+                    events.metrics.count("refused", 1);
                     continue;
                 }
                 Received::Disconnected => {
@@ -544,7 +693,21 @@ async fn follow(
             match continuity(last, message.seq) {
                 Continuity::Follows if last.is_none() => state.state.store(LIVE, Relaxed),
                 Continuity::Follows => {}
-                Continuity::Behind => continue,
+                Continuity::Behind => {
+                    events.metrics.count("behind", 1);
+                    continue;
+                }
+                Continuity::Renumbered => {
+                    tracing::warn!(
+                        endpoint,
+                        last = last.unwrap_or(0),
+                        seq = message.seq,
+                        "KV events: sequence numbers went far back; re-learning the backend"
+                    );
+                    events.metrics.gaps.inc();
+                    events.forget_blocks(backend);
+                    events.warm_up(&state);
+                }
                 Continuity::Restarted => {
                     tracing::info!(
                         endpoint,
@@ -610,13 +773,19 @@ async fn follow(
                 state.state.store(LIVE, Relaxed);
             }
         }
-        state.connected.store(false, Relaxed);
-        state.state.store(DOWN, Relaxed);
-        tokio::time::sleep(backoff).await;
     }
 }
 
 impl KvEvents {
+    /// What one message from a publisher may take.
+    fn frame_limits(&self) -> FrameLimits {
+        FrameLimits {
+            max_frame: self.settings.max_message,
+            max_message: self.settings.max_message,
+            ..FrameLimits::default()
+        }
+    }
+
     /// Asks `backend`'s replay socket for every batch from `from` on and applies them; the
     /// sequence number that follows the last one applied, or None when there is no replay
     /// socket or it no longer holds batch `from` (nothing is applied then).
@@ -627,10 +796,10 @@ impl KvEvents {
         from: u64,
     ) -> Option<u64> {
         let replay = endpoints.replay.as_deref()?;
-        match vllm_protocol::replay(replay, from, REPLAY_TIMEOUT).await {
+        match vllm_protocol::replay(replay, from, self.frame_limits(), REPLAY_TIMEOUT).await {
             Ok(Replayed::Filled(messages)) => {
                 self.metrics.replayed("filled");
-                let next = from + messages.len() as u64;
+                let next = from.checked_add(messages.len() as u64)?;
                 for message in &messages {
                     if self.apply(backend, &message.batch, true) {
                         if let Some(feed) = self.feeds.load().get(&backend) {
@@ -783,12 +952,20 @@ mod tests {
             warmup: Duration,
             credit: Duration,
         ) -> Self {
+            let feed = Self::start(endpoints, warmup, credit);
+            feed.until(|f| f.connected()).await;
+            feed
+        }
+
+        /// A feed following `endpoints`, not waiting for anything.
+        fn start(endpoints: FeedEndpoints, warmup: Duration, credit: Duration) -> Self {
             let mut registry = Registry::default();
             let events = KvEvents::new(
                 EventSettings {
                     warmup,
                     credit,
                     seed: 7,
+                    max_message: 1 << 20,
                 },
                 &mut registry,
             );
@@ -796,13 +973,11 @@ mod tests {
                 Backend::new(BackendSpec::new("http://127.0.0.1:1"), 1000).unwrap(),
             )];
             events.sync(&backend, |_| Some(endpoints.clone()));
-            let feed = Self {
+            Self {
                 events,
                 backend,
                 registry,
-            };
-            feed.until(|f| f.connected()).await;
-            feed
+            }
         }
 
         fn connected(&self) -> bool {
@@ -819,8 +994,14 @@ mod tests {
 
         /// Tokens of `prompt` the backend holds by its events (None: not live).
         fn matched(&self, prompt: &[u32]) -> Option<u64> {
-            let names = self.events.names(prompt)?;
-            self.events.matches(&names, prompt.len(), &self.backend)[0]
+            self.events.matches(prompt, &self.backend).0[0]
+        }
+
+        /// Blocks the backend holds in the index of the tests' block size.
+        fn blocks(&self) -> usize {
+            self.events
+                .index(BLOCK as u32)
+                .map_or(0, |i| i.blocks(self.backend[0].id))
         }
 
         fn metric(&self, line_start: &str) -> f64 {
@@ -963,10 +1144,15 @@ mod tests {
             .await;
         feed.until(|f| f.metric("prefix_router_kv_events_total{kind=\"cleared\"}") == 1.0)
             .await;
-        // 3 unreadable messages + 4 inapplicable stores + 1 unknown type.
+        // 3 unreadable messages, 1 store of an offloading tier, 1 unknown type.
         assert_eq!(
             feed.metric("prefix_router_kv_events_total{kind=\"skipped\"}"),
-            8.0
+            5.0
+        );
+        // Stores that could not apply: another block size, a ragged one, an unknown parent.
+        assert_eq!(
+            feed.metric("prefix_router_kv_events_total{kind=\"failed\"}"),
+            3.0
         );
         assert_eq!(
             feed.metric("prefix_router_kv_events_total{kind=\"unknown_blocks\"}"),
@@ -1000,11 +1186,7 @@ mod tests {
         feed.until(|f| f.metric("prefix_router_kv_event_gaps_total") == 1.0)
             .await;
         assert!(!feed.live(), "warming up after the gap");
-        assert_eq!(
-            feed.events.index.get().unwrap().blocks(feed.backend[0].id),
-            2,
-            "only what came after"
-        );
+        assert_eq!(feed.blocks(), 2, "only what came after");
         tokio::time::sleep(Duration::from_millis(350)).await;
         assert!(feed.live(), "live again after the warm-up");
         assert_eq!(feed.matched(&p), Some(0));
@@ -1048,10 +1230,7 @@ mod tests {
             Some(2 * BLOCK as u64),
             "the lost removal applied, what came before kept"
         );
-        assert_eq!(
-            feed.events.index.get().unwrap().blocks(feed.backend[0].id),
-            8
-        );
+        assert_eq!(feed.blocks(), 8);
         // The stream goes on from where the replay ended.
         publisher.send(3, vec![removed(&[30, 31, 32])]).await;
         feed.until(|f| f.matched(&r) == Some(0)).await;
@@ -1082,11 +1261,7 @@ mod tests {
         feed.until(|f| f.metric("prefix_router_kv_event_replays_total{outcome=\"lost\"}") == 1.0)
             .await;
         feed.until(|f| !f.live()).await;
-        assert_eq!(
-            feed.events.index.get().unwrap().blocks(feed.backend[0].id),
-            2,
-            "only what came after the gap"
-        );
+        assert_eq!(feed.blocks(), 2, "only what came after the gap");
     }
 
     #[tokio::test]
@@ -1204,10 +1379,174 @@ mod tests {
         feed.until(|f| f.live()).await;
         let p = prompt(4, 0);
         assert_eq!(feed.matched(&p), Some(0));
-        let names: Arc<[u64]> = feed.events.names(&p).unwrap().into();
-        feed.events.credit(feed.backend[0].id, names);
+        let (_, names) = feed.events.matches(&p, &feed.backend);
+        feed.events.credit(feed.backend[0].id, &names);
         assert_eq!(feed.matched(&p), Some(3 * BLOCK as u64));
         tokio::time::sleep(Duration::from_millis(250)).await;
         assert_eq!(feed.matched(&p), Some(0));
+    }
+
+    /// Two backends with different block sizes (two models, two vLLM settings) are each
+    /// matched under their own; a backend whose block size is not known yet, or whose stores
+    /// keep failing, is left to the string index (None), not answered 0.
+    #[tokio::test]
+    async fn each_backend_is_matched_under_its_own_block_size() {
+        let mut small = Publisher::bind("tcp://127.0.0.1:0").await;
+        let mut large = Publisher::bind("tcp://127.0.0.1:0").await;
+        let mut registry = Registry::default();
+        let events = KvEvents::new(
+            EventSettings {
+                warmup: Duration::from_secs(3600),
+                credit: Duration::ZERO,
+                seed: 7,
+                max_message: 1 << 20,
+            },
+            &mut registry,
+        );
+        let backends: Vec<Arc<Backend>> = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+            .iter()
+            .map(|u| Arc::new(Backend::new(BackendSpec::new(u), 1000).unwrap()))
+            .collect();
+        let endpoints = [small.endpoint.clone(), large.endpoint.clone()];
+        events.sync(&backends, |b| {
+            let i = backends.iter().position(|x| x.id == b.id)?;
+            Some(FeedEndpoints {
+                events: endpoints[i].clone(),
+                replay: None,
+            })
+        });
+        let p: Vec<u32> = (0..64).collect();
+        let stored_sized = |first: u64, size: usize, tokens: &[u32]| {
+            KvEvent::Stored(BlockStored {
+                block_hashes: (first..first + (tokens.len() / size) as u64)
+                    .map(ExternalHash)
+                    .collect(),
+                parent: None,
+                token_ids: tokens.to_vec(),
+                block_size: size as u32,
+                lora: None,
+                medium: Some("GPU".into()),
+                extra_keys: false,
+                group_idx: Some(0),
+            })
+        };
+        async fn wait(what: impl Fn() -> bool) {
+            for _ in 0..500 {
+                if what() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            panic!("not reached in 5 s");
+        }
+        // Only the first has stored anything: the second has no block size yet.
+        while events.matches(&p, &backends).0[0].is_none() {
+            small.send(0, vec![stored_sized(10, 4, &p[..32])]).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(events.matches(&p, &backends).0, vec![Some(32), None]);
+        while events.matches(&p, &backends).0[1].is_none() {
+            large.send(0, vec![stored_sized(90, 16, &p[..48])]).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let (held, names) = events.matches(&p, &backends);
+        assert_eq!(held, vec![Some(32), Some(48)]);
+        assert_eq!(names.sized(4).map(|n| n.len()), Some(16));
+        assert_eq!(names.sized(16).map(|n| n.len()), Some(4));
+        // The large one's stores start failing (parents it never reported): after a run of
+        // them its index is not trusted.
+        for seq in 1..=MAX_FAILED_STORES as u64 {
+            let mut orphan = stored_sized(1000 + seq, 16, &p[..16]);
+            if let KvEvent::Stored(s) = &mut orphan {
+                s.parent = Some(ExternalHash(5));
+            }
+            large.send(seq, vec![orphan]).await;
+        }
+        wait(|| events.matches(&p, &backends).0[1].is_none()).await;
+        assert!(!events.live(backends[1].id));
+        assert_eq!(events.matches(&p, &backends).0[0], Some(32));
+        // One store that applies brings it back.
+        large
+            .send(
+                MAX_FAILED_STORES as u64 + 1,
+                vec![stored_sized(3000, 16, &p[..16])],
+            )
+            .await;
+        wait(|| events.matches(&p, &backends).0[1].is_some()).await;
+    }
+
+    /// A batch numbered 2^64 - 1 is no reason to drop every batch after it as one already seen:
+    /// the feed starts over and applies what follows.
+    #[tokio::test]
+    async fn a_huge_sequence_number_does_not_silence_the_feed() {
+        let mut publisher = Publisher::bind("tcp://127.0.0.1:0").await;
+        let feed = Feed::follow(
+            &publisher.endpoint,
+            Duration::from_millis(200),
+            Duration::ZERO,
+        )
+        .await;
+        let p = prompt(3, 0);
+        publisher.send(0, vec![stored(10, None, &p)]).await;
+        feed.until(|f| f.live()).await;
+        publisher.send(u64::MAX, vec![]).await;
+        for seq in 1..=10u64 {
+            publisher
+                .send(seq, vec![stored(100 * seq, None, &prompt(1, seq as u32))])
+                .await;
+        }
+        feed.until(|f| f.metric("prefix_router_kv_events_total{kind=\"stored\"}") == 11.0)
+            .await;
+        assert_eq!(
+            feed.metric("prefix_router_kv_events_total{kind=\"behind\"}"),
+            0.0
+        );
+        feed.until(|f| f.live()).await;
+        assert_eq!(
+            feed.matched(&prompt(1, 10)),
+            Some(0),
+            "one block: the last token is computed"
+        );
+        assert_eq!(feed.blocks(), 10, "what came after the renumbering");
+    }
+
+    /// A publisher that declares a frame of 2^50 bytes is disconnected and counted; nothing of
+    /// it is buffered and the feed goes on trying (the process lives).
+    #[tokio::test]
+    async fn a_publisher_declaring_a_huge_frame_is_refused() {
+        use tokio::io::AsyncWriteExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut stream, _)) = listener.accept().await else {
+                    return;
+                };
+                tokio::spawn(async move {
+                    let mut greeting = [0u8; 64];
+                    greeting[0] = 0xFF;
+                    greeting[9] = 0x7F;
+                    greeting[10] = 3;
+                    greeting[11] = 1;
+                    greeting[12..16].copy_from_slice(b"NULL");
+                    let _ = stream.write_all(&greeting).await;
+                    let ready = b"\x05READY\x0bSocket-Type\x00\x00\x00\x03PUB";
+                    let _ = stream.write_all(&[0x04, ready.len() as u8]).await;
+                    let _ = stream.write_all(ready).await;
+                    let mut huge = vec![0x02u8];
+                    huge.extend_from_slice(&(1u64 << 50).to_be_bytes());
+                    let _ = stream.write_all(&huge).await;
+                    tokio::time::sleep(Duration::from_secs(30)).await;
+                });
+            }
+        });
+        let endpoints = FeedEndpoints {
+            events: endpoint,
+            replay: None,
+        };
+        let feed = Feed::start(endpoints, Duration::ZERO, Duration::ZERO);
+        feed.until(|f| f.metric("prefix_router_kv_events_total{kind=\"refused\"}") >= 1.0)
+            .await;
+        assert!(!feed.live());
     }
 }

@@ -84,7 +84,7 @@ pub struct Decision {
     /// Which index answered for the chosen backend: `events`, `strings`, or `none`.
     pub index: &'static str,
     /// The request's token-block names (precise mode), to credit where it is sent.
-    pub block_names: Option<Arc<[u64]>>,
+    pub block_names: Option<events::BlockNames>,
     /// Prompt tokens each backend of `order` would have to compute (what it does not hold),
     /// where the request's matches are known; else empty.
     pub uncached: Vec<u64>,
@@ -107,8 +107,14 @@ type BackendListener = Box<dyn Fn(&Backend) + Send + Sync>;
 /// Hears what this router does and sees that other replicas should know (the replica bus
 /// tells them). Called on the request path and from health checks: it must not wait.
 pub trait LocalEvents: Send + Sync {
-    /// A request was sent to `backend` (with what the indexes match of it, if anything).
-    fn sent(&self, prompt: Option<&PromptKey>, block_names: Option<&Arc<[u64]>>, backend: &Backend);
+    /// A request was sent to `backend` (with what the indexes match of it, if anything: its
+    /// string-index key, and its block names under the backend's block size).
+    fn sent(
+        &self,
+        prompt: Option<&PromptKey>,
+        blocks: Option<(u32, &Arc<[u64]>)>,
+        backend: &Backend,
+    );
     /// `backend` just left the candidates (failed checks or connections).
     fn backend_unhealthy(&self, backend: &Backend);
     /// A streamed request's first byte came from `backend` (its line learned from it).
@@ -223,15 +229,18 @@ impl Core {
     pub fn peer_sent(
         &self,
         chunks: &prefix_index::PrefixHashes,
-        block_names: Option<Arc<[u64]>>,
+        blocks: Option<(Option<u32>, Arc<[u64]>)>,
         backend: &Arc<Backend>,
         t: prefix_index::Tick,
     ) {
         if !chunks.is_empty() && self.policy.needs_matches() {
             self.strings.notify_from_peer(chunks, backend, t);
         }
-        if let (Some(events), Some(names)) = (&self.events, block_names) {
-            events.credit(backend.id, names);
+        if let (Some(events), Some((size, names))) = (&self.events, blocks) {
+            // Replicas before block sizes were told named blocks under the backend's own.
+            if let Some(size) = size.or_else(|| events.block_size(backend.id)) {
+                events.credit_sized(backend.id, size, names);
+            }
         }
     }
 
@@ -350,10 +359,10 @@ impl Core {
         let mut block_names = None;
         if self.policy.needs_matches() {
             let precise = match (&self.events, input.tokens) {
-                (Some(events), Some(tokens)) => events.names(tokens).map(|names| {
-                    let held = events.matches(&names, tokens.len(), &candidates);
-                    (Arc::<[u64]>::from(names), held)
-                }),
+                (Some(events), Some(tokens)) => {
+                    let (held, names) = events.matches(tokens, &candidates);
+                    (!names.is_empty()).then_some((names, held))
+                }
                 _ => None,
             };
             let need_strings = precise
@@ -470,18 +479,22 @@ impl Core {
     pub async fn sent(
         &self,
         prompt: Option<&PromptKey>,
-        block_names: Option<&Arc<[u64]>>,
+        block_names: Option<&events::BlockNames>,
         backend: &Arc<Backend>,
     ) {
         if let Some(key) = prompt.filter(|_| self.policy.needs_matches()) {
             self.strings.sent(key, backend).await;
         }
+        let mut blocks = None;
         if let (Some(events), Some(names)) = (&self.events, block_names) {
-            events.credit(backend.id, names.clone());
+            events.credit(backend.id, names);
+            blocks = events
+                .block_size(backend.id)
+                .and_then(|size| Some((size, names.sized(size)?)));
         }
         if let Some(listener) = self.on_local.get() {
             let prompt = prompt.filter(|_| self.policy.needs_matches());
-            listener.sent(prompt, block_names, backend);
+            listener.sent(prompt, blocks, backend);
         }
     }
 

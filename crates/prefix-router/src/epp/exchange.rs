@@ -60,7 +60,7 @@ struct Sent {
     text_bytes: u64,
     stream: bool,
     prompt: Option<PromptKey>,
-    block_names: Option<Arc<[u64]>>,
+    block_names: Option<crate::core::events::BlockNames>,
     /// The failover order and what each would have to prefill, for an answer served by
     /// another endpoint than the first.
     order: Vec<Arc<Backend>>,

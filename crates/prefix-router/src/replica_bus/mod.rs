@@ -126,13 +126,13 @@ impl LocalEvents for Outbox {
     fn sent(
         &self,
         prompt: Option<&PromptKey>,
-        block_names: Option<&Arc<[u64]>>,
+        blocks: Option<(u32, &Arc<[u64]>)>,
         backend: &Backend,
     ) {
         if !self.bus.synced.load(Relaxed) {
             self.bus.metrics.unsynced_decisions.inc();
         }
-        if prompt.is_none() && block_names.is_none() {
+        if prompt.is_none() && blocks.is_none() {
             // Nothing to match: only its load, which the next tick tells.
             self.wake_publisher();
             return;
@@ -144,8 +144,9 @@ impl LocalEvents for Outbox {
                 let chunks = p.chunks.as_slice();
                 chunks[..chunks.len().min(MAX_SENT_HASHES)].to_vec()
             }),
-            blocks: block_names.map(|b| b[..b.len().min(MAX_SENT_HASHES)].to_vec()),
+            blocks: blocks.map(|(_, b)| b[..b.len().min(MAX_SENT_HASHES)].to_vec()),
             bytes: prompt.map(|p| p.text_bytes),
+            block_size: blocks.map(|(size, _)| size),
         }));
     }
 
@@ -556,7 +557,9 @@ async fn apply(mut batches: async_nats::Subscriber, core: Weak<Core>, bus: Arc<R
                 continue;
             };
             let chunks = PrefixHashes::from_raw(sent.chunks);
-            let blocks = sent.blocks.map(Arc::<[u64]>::from);
+            let blocks = sent
+                .blocks
+                .map(|b| (sent.block_size, Arc::<[u64]>::from(b)));
             let t = Tick::from_millis(sent.t_ms.min(latest));
             core.peer_sent(&chunks, blocks, &backend, t);
             metrics.count(&metrics.decisions, "received", 1);

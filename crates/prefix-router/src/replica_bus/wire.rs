@@ -24,6 +24,9 @@ pub struct Sent {
     /// The request string's length in bytes (None from replicas before it).
     #[serde(default)]
     pub bytes: Option<u64>,
+    /// The block size `blocks` are named under (None from replicas before it).
+    #[serde(default)]
+    pub block_size: Option<u32>,
 }
 
 /// This replica's own load on one backend, whole (not a delta): a lost message is healed
@@ -196,6 +199,7 @@ mod tests {
                 chunks: vec![1, 2, u64::MAX],
                 blocks: Some(vec![9]),
                 bytes: Some(300),
+                block_size: Some(16),
             }],
             load: Some(vec![Load {
                 backend: 5,
@@ -280,6 +284,7 @@ mod tests {
         expected.first_bytes.clear();
         expected.ended = None;
         expected.sent[0].bytes = None;
+        expected.sent[0].block_size = None;
         assert_eq!(decode::<Batch>(&encode(&earlier)), Ok(expected));
     }
 
@@ -340,6 +345,7 @@ mod tests {
                 chunks: shared.iter().copied().chain([i]).collect(),
                 blocks: None,
                 bytes: None,
+                block_size: None,
             })
             .collect();
         let framed = encode(&b).len();

@@ -75,6 +75,10 @@ pub struct ServeArgs {
     /// (a fresh publisher, or an emptied cache, is trusted at once).
     #[arg(long, env = "PREFIX_ROUTER_KV_WARMUP", default_value = "30s", value_parser = crate::duration::parse)]
     pub kv_warmup: Duration,
+    /// The largest message (one batch of events, or of a replay) accepted from a publisher, in
+    /// bytes: a larger one is refused before it is read, and the publisher disconnected.
+    #[arg(long, env = "PREFIX_ROUTER_KV_EVENTS_MAX_MESSAGE", default_value_t = 16 << 20, value_parser = message_size)]
+    pub kv_events_max_message: usize,
     /// How long a routed request's blocks count as held before the backend reports them.
     #[arg(long, env = "PREFIX_ROUTER_KV_CREDIT", default_value = "2s", value_parser = crate::duration::parse)]
     pub kv_credit: Duration,
@@ -272,6 +276,16 @@ pub struct QueueArgs {
     /// so a high-priority request finds room, and few waiting ahead of it, when it comes.
     #[arg(long, env = "PREFIX_ROUTER_QUEUE_PRIORITY_RESERVE", default_value_t = 0.0, value_parser = share)]
     pub queue_priority_reserve: f64,
+}
+
+/// A message size in bytes, 4 KiB to 1 GiB.
+fn message_size(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (4096..=1 << 30).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "`{s}` is not a size in bytes from 4096 to 1073741824"
+        )),
+    }
 }
 
 /// A share between 0 and 1.

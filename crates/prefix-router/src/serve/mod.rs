@@ -141,6 +141,7 @@ pub(crate) async fn gateway_with<T>(
             warmup: args.kv_warmup,
             credit: args.kv_credit,
             seed: args.store.hash_seed,
+            max_message: args.kv_events_max_message,
         },
         default_port: args.kv_events_port,
         replay_port: args.kv_replay_port,

@@ -475,7 +475,7 @@ pub(crate) struct Attempt<'a> {
     pub text_bytes: u64,
     pub stream: bool,
     pub prompt: Option<&'a PromptKey>,
-    pub block_names: Option<&'a Arc<[u64]>>,
+    pub block_names: Option<&'a crate::core::events::BlockNames>,
     pub span: Option<&'a RequestSpan>,
 }
 
