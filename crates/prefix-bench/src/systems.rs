@@ -200,11 +200,16 @@ impl LaunchContext {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
+        // The replicas authenticate their frames as in production (the cost is measured too).
+        let key = self.work_dir.join(format!("bus-key-{nanos}"));
+        let _ = std::fs::write(&key, format!("prefix-router bench key {nanos}\n"));
         vec![
             "--replica-bus".into(),
             bus.into(),
             "--replica-bus-subject".into(),
             format!("prefix-router-bench-{nanos}"),
+            "--replica-bus-key-file".into(),
+            key.display().to_string(),
         ]
     }
 

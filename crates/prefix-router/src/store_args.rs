@@ -26,20 +26,22 @@ pub struct StoreArgs {
     /// Connections to PostgreSQL (per process).
     #[arg(long, env = "PREFIX_ROUTER_STORE_POOL", default_value_t = 16)]
     pub pool_size: usize,
-    /// Seed of the chunk hash. Keep it secret on a public endpoint, so that clients cannot
-    /// craft colliding prefixes to steer traffic.
-    #[arg(
-        long,
-        env = "PREFIX_ROUTER_HASH_SEED",
-        default_value_t = 0,
-        hide_env_values = true
-    )]
-    pub hash_seed: u64,
+    /// Seed of the chunk hash (default 0; with a replica bus key, one derived from the key).
+    /// Keep it secret on a public endpoint, so that clients cannot craft colliding prefixes
+    /// to steer traffic.
+    #[arg(long, env = "PREFIX_ROUTER_HASH_SEED", hide_env_values = true)]
+    pub hash_seed: Option<u64>,
 }
 
 impl StoreArgs {
+    /// The hasher of `--chunk-size` and `--hash-seed` (0 when not given).
     pub fn hasher(&self) -> anyhow::Result<PrefixHasher> {
-        Ok(PrefixHasher::new(self.chunk_size, self.hash_seed)?)
+        self.hasher_seeded(self.hash_seed.unwrap_or(0))
+    }
+
+    /// The hasher of `--chunk-size` and `seed`.
+    pub fn hasher_seeded(&self, seed: u64) -> anyhow::Result<PrefixHasher> {
+        Ok(PrefixHasher::new(self.chunk_size, seed)?)
     }
 
     pub fn config(&self) -> anyhow::Result<StoreConfig> {

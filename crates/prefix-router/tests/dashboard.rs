@@ -63,6 +63,7 @@ async fn every_metric_a_panel_queries_exists() {
             .to_string()
     };
     let bus = format!("nats://127.0.0.1:{}", free_port());
+    let bus_key = common::bus_key_file();
     let events_port = free_port();
     let (r, _) = router(
         &urls,
@@ -78,6 +79,8 @@ async fn every_metric_a_panel_queries_exists() {
             &keys.display().to_string(),
             "--replica-bus",
             &bus,
+            "--replica-bus-key-file",
+            &bus_key,
         ],
     )
     .await;

@@ -431,8 +431,8 @@ fn the_helm_chart_renders_with_its_values() {
     ])
     .unwrap();
     std::fs::remove_file(&file).unwrap();
-    assert_eq!(args.replica_bus.as_deref(), Some("nats://r1-nats:4222"));
-    assert_eq!(args.replica_bus_subject, "prefix-router");
+    assert_eq!(args.bus.replica_bus.as_deref(), Some("nats://r1-nats:4222"));
+    assert_eq!(args.bus.replica_bus_subject, "prefix-router");
 
     // The dashboard for Grafana's sidecar: the same JSON as deploy/grafana, labelled.
     let mut graf =

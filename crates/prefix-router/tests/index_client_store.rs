@@ -18,7 +18,7 @@ async fn make(config: StoreConfig) -> IndexClient {
     let mut args = IndexArgs::with_listen(listener.local_addr().unwrap());
     let hasher = conformance::hasher();
     args.store.chunk_size = hasher.chunk_size();
-    args.store.hash_seed = 99;
+    args.store.hash_seed = Some(99);
     args.store.capacity = config.default_capacity;
     args.store.ttl = config.ttl_ms.map(|ms| ms as f64 / 1000.0);
     // The suite purges explicitly, and compares with the reference model.

@@ -8,76 +8,21 @@
 
 mod common;
 
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
-use common::{eventually, fleet, instant, metric, router, text};
+use common::{bus_key_file, eventually, fleet, instant, metric, router, text, Nats};
 use serde_json::json;
 use vllm_sim::{Fleet, SimConfig};
 
-/// A `nats-server` of this test's own.
-struct Nats {
-    port: u16,
-    child: Child,
-}
-
-impl Nats {
-    /// Starts one on a free port; `None` (the test skips) where `nats-server` is not
-    /// installed, except in CI, where that fails the test.
-    async fn start() -> Option<Self> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        match Self::start_on(port).await {
-            Some(n) => Some(n),
-            None if std::env::var_os("PREFIX_ROUTER_CI").is_some() => {
-                panic!("nats-server is needed in CI (Debian package nats-server)")
-            }
-            None => {
-                eprintln!("skipped: nats-server is not installed");
-                None
-            }
-        }
-    }
-
-    async fn start_on(port: u16) -> Option<Self> {
-        let child = Command::new("nats-server")
-            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .ok()?;
-        let nats = Self { port, child };
-        let up = eventually(10, || async {
-            tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-        })
-        .await;
-        assert!(up, "nats-server did not listen on {port}");
-        Some(nats)
-    }
-
-    fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Nats {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
 /// A router replica on the bus.
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
 async fn replica(
     sims: &[String],
     bus: &str,
@@ -86,7 +31,15 @@ async fn replica(
     prefix_router::server::Running,
     std::sync::Arc<prefix_router::serve::Gateway>,
 ) {
-    let mut words = vec!["--replica-bus", bus, "--replica-bus-subject", "test-fleet"];
+    let key = bus_key_file();
+    let mut words = vec![
+        "--replica-bus",
+        bus,
+        "--replica-bus-subject",
+        "test-fleet",
+        "--replica-bus-key-file",
+        key.as_str(),
+    ];
     words.extend_from_slice(extra);
     router(sims, &words).await
 }
@@ -470,7 +423,9 @@ async fn a_bus_outage_loses_no_request_and_the_replicas_converge_again() {
         "the replicas did not notice the bus going"
     );
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let _nats = Nats::start_on(port).await.expect("nats-server restarts");
+    let _nats = Nats::start_on(port, &[])
+        .await
+        .expect("nats-server restarts");
     let back = Instant::now();
     let statuses = load.await.unwrap();
     assert!(
@@ -568,9 +523,18 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
     let (a, gw_a) = replica(&sims.urls(), &nats.url(), &[]).await;
     until_connected(&[&a.url()]).await;
     let client = async_nats::connect(nats.url()).await.unwrap();
-    let mut bomb = wire::TAG.to_vec();
-    bomb.extend_from_slice(&u32::MAX.to_le_bytes());
-    let mut truncated = wire::encode(&wire::Batch {
+    // Frames signed with the fleet's key (what a peer could send), broken in every way.
+    let key =
+        prefix_router::replica_bus::auth::BusKey::from_file(std::path::Path::new(&bus_key_file()))
+            .unwrap();
+    let signed = |batch: &wire::Batch| wire::encode(batch, wire::Kind::Batch, Some(&key));
+    let bomb = {
+        let mut body = vec![wire::Kind::Batch as u8];
+        body.extend_from_slice(&u32::MAX.to_le_bytes());
+        let tag = key.tag(&[&wire::SIGNED_TAG, &body]);
+        [&wire::SIGNED_TAG[..], &tag, &body].concat()
+    };
+    let mut truncated = signed(&wire::Batch {
         replica: 1,
         seq: 1,
         sent: vec![],
@@ -578,9 +542,10 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
         unhealthy: vec![],
         first_bytes: vec![],
         ended: None,
+        at_ms: Some(now_ms()),
     });
     truncated.truncate(6);
-    let unknown_backend = wire::encode(&wire::Batch {
+    let unknown_backend = signed(&wire::Batch {
         replica: 2,
         seq: 1,
         sent: vec![wire::Sent {
@@ -593,9 +558,9 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
         }],
         load: Some(vec![wire::Load {
             backend: 12345,
-            inflight: u64::MAX,
-            waiting_first_byte: u64::MAX,
-            queued_prefill_tokens: u64::MAX,
+            inflight: 5,
+            waiting_first_byte: 5,
+            queued_prefill_tokens: 5_000,
             queue_moved_ms_ago: Some(u64::MAX),
         }]),
         unhealthy: vec![12345],
@@ -607,9 +572,10 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
             backend: 12345,
             last: 1,
         }]),
+        at_ms: Some(now_ms()),
     });
     let sim0 = backend_of(&gw_a, &sims.urls()[0]);
-    let implausible = wire::encode(&wire::Batch {
+    let implausible = signed(&wire::Batch {
         replica: 3,
         seq: 1,
         sent: vec![],
@@ -623,14 +589,42 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
             ..Default::default()
         }],
         ended: None,
+        at_ms: Some(now_ms()),
     });
+    // A load table no replica can hold: refused whole.
+    let implausible_load = signed(&wire::Batch {
+        replica: 4,
+        seq: 1,
+        sent: vec![],
+        load: Some(vec![wire::Load {
+            backend: sim0.id,
+            inflight: u64::MAX,
+            waiting_first_byte: u64::MAX,
+            queued_prefill_tokens: u64::MAX,
+            queue_moved_ms_ago: None,
+        }]),
+        unhealthy: vec![],
+        first_bytes: vec![],
+        ended: None,
+        at_ms: Some(now_ms()),
+    });
+    let not_a_batch = {
+        let body = [
+            &[wire::Kind::Batch as u8][..],
+            &lz4_flex::compress_prepend_size(&rmp_serde::to_vec(&("not", "a", "batch")).unwrap()),
+        ]
+        .concat();
+        let tag = key.tag(&[&wire::SIGNED_TAG, &body]);
+        [&wire::SIGNED_TAG[..], &tag, &body].concat()
+    };
     for payload in [
         b"{\"hello\": \"world\"}".to_vec(),
         bomb,
         truncated,
-        wire::encode(&("not", "a", "batch")),
+        not_a_batch,
         unknown_backend,
         implausible,
+        implausible_load,
     ] {
         client.publish("test-fleet", payload.into()).await.unwrap();
     }
@@ -639,17 +633,205 @@ async fn foreign_and_broken_messages_are_counted_and_ignored() {
         let url = a.url();
         async move { metric(&url, "prefix_router_replica_bus_rejected_total", reason).await }
     };
-    // One decision, one health report and one first byte name a backend A does not have.
+    // One decision, one health report and one first byte name a backend A does not have
+    // (its load row is left out silently).
     assert!(eventually(5, || async { rejected("unknown_backend").await == 3.0 }).await);
-    assert_eq!(rejected("implausible").await, 1.0);
+    // A first byte of 2^64 - 1 tokens, a load table of 2^64 - 1 requests.
+    assert!(eventually(5, || async { rejected("implausible").await == 2.0 }).await);
     assert_eq!(sim0.prefill.observations(), 0, "nothing learned from it");
-    assert_eq!(rejected("foreign").await, 1.0);
+    assert_eq!(
+        sim0.remote.inflight.load(Relaxed),
+        0,
+        "no load taken from it"
+    );
+    // The JSON is no signed frame at all, and a frame cut short no longer verifies.
+    assert_eq!(rejected("unauthenticated").await, 2.0);
     assert_eq!(rejected("too_large").await, 1.0);
-    assert_eq!(rejected("compression").await, 1.0);
     assert_eq!(rejected("malformed").await, 1.0);
     // The router still routes, and the bogus load counts for no backend it has.
     let p = text(77, 3_000);
     assert_eq!(complete(&a.url(), &p).await, 200);
+}
+
+/// A NATS server with a user and password: the router authenticates with the password from
+/// a file (none in the URL), and one with the wrong password refuses to start with the
+/// reason instead of running without a bus.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bus_authenticates_to_nats_and_refuses_to_start_when_refused() {
+    let Some(nats) = Nats::start_with(&["--user", "router", "--pass", "s3cret-pass"]).await else {
+        return;
+    };
+    let sims = fleet(instant(), 1).await;
+    let dir = std::env::temp_dir().join(format!("bus-auth-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join("good");
+    std::fs::write(&good, "s3cret-pass\n").unwrap();
+    let (a, _) = replica(
+        &sims.urls(),
+        &nats.url(),
+        &[
+            "--replica-bus-user",
+            "router",
+            "--replica-bus-password-file",
+            good.to_str().unwrap(),
+        ],
+    )
+    .await;
+    until_connected(&[&a.url()]).await;
+    let bad = dir.join("bad");
+    std::fs::write(&bad, "not-the-password").unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut words: Vec<String> = vec![
+        "--listen".into(),
+        listener.local_addr().unwrap().to_string(),
+        "--backend".into(),
+        sims.urls()[0].clone(),
+    ];
+    let key = bus_key_file();
+    for w in [
+        "--replica-bus",
+        &nats.url(),
+        "--replica-bus-key-file",
+        &key,
+        "--replica-bus-user",
+        "router",
+        "--replica-bus-password-file",
+        bad.to_str().unwrap(),
+    ] {
+        words.push(w.to_owned());
+    }
+    let args = prefix_router::serve::ServeArgs::from_words(&words).unwrap();
+    let err = match prefix_router::serve::spawn(args, listener).await {
+        Ok(_) => panic!("a router the bus refuses must not start"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(err.contains("refused this router's credentials"), "{err}");
+    assert!(
+        !err.contains("not-the-password"),
+        "the secret is not told: {err}"
+    );
+}
+
+/// A stranger on an open NATS server cannot steer a keyed replica: frames it forges (health
+/// reports, load rows, first bytes) are dropped and counted, a peer's genuine frame played
+/// again is dropped, and its snapshot request goes unanswered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_and_snapshot_requests_without_the_fleets_key_change_nothing() {
+    use prefix_router::replica_bus::{auth::BusKey, wire};
+    let Some(nats) = Nats::start().await else {
+        return;
+    };
+    let sims = fleet(instant(), 2).await;
+    let urls = sims.urls();
+    let (a, gw_a) = replica(&urls, &nats.url(), &[]).await;
+    until_connected(&[&a.url()]).await;
+    let sim0 = backend_of(&gw_a, &urls[0]);
+    let sim1 = backend_of(&gw_a, &urls[1]);
+    // Something for a snapshot to hold.
+    for i in 0..4 {
+        assert_eq!(complete(&a.url(), &text(900 + i, 2_000)).await, 200);
+    }
+    let stranger = async_nats::connect(nats.url()).await.unwrap();
+    let forged = |key: Option<&BusKey>, replica: u64| {
+        wire::encode(
+            &wire::Batch {
+                replica,
+                seq: 1,
+                sent: vec![],
+                load: Some(vec![wire::Load {
+                    backend: sim0.id,
+                    inflight: 1_000,
+                    waiting_first_byte: 1_000,
+                    queued_prefill_tokens: 1 << 30,
+                    queue_moved_ms_ago: None,
+                }]),
+                unhealthy: vec![sim0.id, sim1.id],
+                first_bytes: vec![wire::FirstByte {
+                    backend: sim0.id,
+                    work: 10_000,
+                    uncached: 10_000,
+                    ttft_us: 100,
+                    ..Default::default()
+                }],
+                ended: None,
+                at_ms: Some(now_ms()),
+            },
+            wire::Kind::Batch,
+            key,
+        )
+    };
+    let other = BusKey::new(b"a key that is not the fleet's").unwrap();
+    stranger
+        .publish("test-fleet", forged(None, 7).into())
+        .await
+        .unwrap();
+    stranger
+        .publish("test-fleet", forged(Some(&other), 8).into())
+        .await
+        .unwrap();
+    // A genuine peer frame, recorded and played again: the second copy is a replay.
+    let key = BusKey::from_file(std::path::Path::new(&bus_key_file())).unwrap();
+    let genuine = wire::encode(
+        &wire::Batch {
+            replica: 9,
+            seq: 5,
+            sent: vec![],
+            load: None,
+            unhealthy: vec![],
+            first_bytes: vec![],
+            ended: None,
+            at_ms: Some(now_ms()),
+        },
+        wire::Kind::Batch,
+        Some(&key),
+    );
+    stranger
+        .publish("test-fleet", genuine.clone().into())
+        .await
+        .unwrap();
+    stranger
+        .publish("test-fleet", genuine.into())
+        .await
+        .unwrap();
+    // A genuine frame recorded long ago.
+    let old = wire::encode(
+        &wire::Batch {
+            replica: 10,
+            seq: 1,
+            sent: vec![],
+            load: None,
+            unhealthy: vec![],
+            first_bytes: vec![],
+            ended: None,
+            at_ms: Some(now_ms() - 3_600_000),
+        },
+        wire::Kind::Batch,
+        Some(&key),
+    );
+    stranger.publish("test-fleet", old.into()).await.unwrap();
+    stranger.flush().await.unwrap();
+    let url = a.url();
+    let rejected = |reason: &'static str| {
+        let url = url.clone();
+        async move { metric(&url, "prefix_router_replica_bus_rejected_total", reason).await }
+    };
+    assert!(eventually(5, || async { rejected("unauthenticated").await == 2.0 }).await);
+    assert!(eventually(5, || async { rejected("replayed").await == 1.0 }).await);
+    assert!(eventually(5, || async { rejected("stale").await == 1.0 }).await);
+    assert!(sim0.is_healthy() && sim1.is_healthy());
+    assert_eq!(sim0.remote.inflight.load(Relaxed), 0);
+    assert_eq!(sim0.prefill.observations(), 0);
+    // An anonymous snapshot request: no answer (and one signed with another key neither).
+    let asked = tokio::time::timeout(
+        Duration::from_secs(2),
+        stranger.request("test-fleet.snapshot", bytes::Bytes::new()),
+    )
+    .await;
+    assert!(
+        !matches!(asked, Ok(Ok(_))),
+        "the index went to a stranger: {asked:?}"
+    );
+    assert_eq!(complete(&a.url(), &text(77, 2_000)).await, 200);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -181,18 +181,13 @@ impl Connection {
         }
         self.write_frame(FLAG_COMMAND, &ready).await?;
         self.writer.flush().await?;
-        let command = loop {
-            match self.read_frame_header().await? {
-                (flags, size) if flags & FLAG_COMMAND != 0 => {
-                    break self.read_body(size, "command", MAX_COMMAND).await?;
-                }
-                _ => {
-                    return Err(ZmtpError::Protocol(
-                        "a message before the handshake's READY".into(),
-                    ))
-                }
-            }
-        };
+        let (flags, size) = self.read_frame_header().await?;
+        if flags & FLAG_COMMAND == 0 {
+            return Err(ZmtpError::Protocol(
+                "a message before the handshake's READY".into(),
+            ));
+        }
+        let command = self.read_body(size, "command", MAX_COMMAND).await?;
         let (name, props) = split_command(&command)?;
         match name {
             b"READY" => {}

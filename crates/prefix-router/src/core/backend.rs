@@ -1,5 +1,6 @@
 //! The backends (vLLM servers) the router knows, and their live state.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
@@ -566,6 +567,8 @@ impl Drop for InflightGuard {
 #[derive(Default)]
 pub struct Fleet {
     backends: ArcSwap<Vec<Arc<Backend>>>,
+    /// The same backends by server id (bus messages and events name backends by id).
+    by_id: ArcSwap<HashMap<u64, Arc<Backend>>>,
 }
 
 /// What a reconcile changed.
@@ -584,6 +587,11 @@ impl Fleet {
 
     pub fn all(&self) -> Arc<Vec<Arc<Backend>>> {
         self.backends.load_full()
+    }
+
+    /// The backend with this server id, if it is in the fleet.
+    pub fn by_id(&self, id: u64) -> Option<Arc<Backend>> {
+        self.by_id.load().get(&id).cloned()
     }
 
     /// Makes the fleet exactly `specs`. A backend keeps its state for as long as its URL is
@@ -620,7 +628,9 @@ impl Fleet {
                 change.removed.push(old.clone());
             }
         }
+        let by_id = next.iter().map(|b| (b.id, b.clone())).collect();
         self.backends.store(Arc::new(next));
+        self.by_id.store(Arc::new(by_id));
         Ok(change)
     }
 }

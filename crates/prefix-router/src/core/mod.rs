@@ -221,7 +221,7 @@ impl Core {
 
     /// The backend with this server id, if it is in the fleet.
     pub fn backend(&self, id: prefix_index::ServerId) -> Option<Arc<Backend>> {
-        self.fleet.snapshot().iter().find(|b| b.id == id).cloned()
+        self.fleet.by_id(id)
     }
 
     /// Another router replica sent a request to `backend` at `t`: the string index (and in

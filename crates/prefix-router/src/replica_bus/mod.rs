@@ -14,10 +14,18 @@
 //!   (`SUBJECT.snapshot`, answered in parts to an inbox) and merges it; until then, and
 //!   while the bus is down, it routes from what it has. Nothing waits on the bus: its failure
 //!   shows in the metrics and logs, not in requests.
+//! - Peers are the replicas holding the fleet's key ([`auth`]): every frame and snapshot
+//!   request is authenticated, fresh (a replayed frame is dropped) and bounded (peers, load
+//!   rows and their values, queued bytes), so a stranger on the NATS server can neither steer
+//!   nor read the router, nor make it spend memory.
 
+pub mod auth;
 mod metrics;
 mod peers;
+mod settings;
 pub mod wire;
+
+pub use settings::{BusSettings, NatsAuth, NatsTls, ReplicaBusArgs};
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Arc, Weak};
@@ -50,6 +58,16 @@ const IDLE_TICKS: u32 = 50;
 pub const PEER_SILENCE: Duration = Duration::from_secs(3);
 /// Decisions waiting for the publisher; beyond, they are dropped and counted.
 const OUTBOX: usize = 65_536;
+/// Bytes of decisions waiting for the publisher; beyond, they are dropped and counted.
+const OUTBOX_BYTES: usize = 64 << 20;
+/// Peers tracked at most; a frame from one more is dropped (a fleet runs a few replicas).
+const MAX_PEERS: usize = 256;
+/// The most requests a peer may claim in flight (or waiting) at one backend, and the most
+/// prefill tokens queued: beyond, its load table is a broken or hostile peer's.
+const MAX_PEER_REQUESTS: u64 = 1 << 20;
+const MAX_PEER_PREFILL_TOKENS: u64 = 1 << 40;
+/// Snapshot parts one answer may have at most (each under NATS's message limit).
+const MAX_SNAPSHOT_PARTS: u32 = 4096;
 /// Hashes (chunks and blocks) per frame at most: about 0.5 MB before compression, under
 /// NATS's 1 MB default message limit. A longer request is told by its first this many chunks
 /// (a prefix of its chain is a valid, shorter request to the index).
@@ -66,15 +84,6 @@ const SNAPSHOT_WAIT: Duration = Duration::from_secs(5);
 /// A peer's decision time is believed up to this far ahead of this replica's clock.
 const MAX_CLOCK_AHEAD_MS: u64 = 60_000;
 
-/// Where the bus is and what its subjects are called.
-#[derive(Clone, Debug)]
-pub struct BusSettings {
-    /// `nats://host:port`.
-    pub url: String,
-    /// The subject prefix shared by the replicas of one fleet.
-    pub subject: String,
-}
-
 /// A running bus connection (its tasks stop when the core is dropped).
 pub struct ReplicaBus {
     /// This replica's id on the bus.
@@ -86,6 +95,29 @@ pub struct ReplicaBus {
     /// Set while the publisher sleeps (idle); the next request wakes it through `wake`.
     sleeping: AtomicBool,
     wake: tokio::sync::Notify,
+    /// The fleet's key (None: an insecure bus).
+    key: Option<auth::BusKey>,
+    /// Bytes of decisions handed and not yet taken by the publisher.
+    outbox_bytes: std::sync::atomic::AtomicUsize,
+}
+
+impl ReplicaBus {
+    fn encode<T: serde::Serialize>(&self, message: &T, kind: wire::Kind) -> Vec<u8> {
+        wire::encode(message, kind, self.key.as_ref())
+    }
+
+    fn decode<T: for<'de> serde::Deserialize<'de>>(
+        &self,
+        frame: &[u8],
+        kind: wire::Kind,
+    ) -> Result<T, wire::DecodeError> {
+        wire::decode(frame, kind, self.key.as_ref())
+    }
+}
+
+/// Whether a time told by a peer is near enough to this replica's clock to be no replay.
+fn fresh(at_ms: u64) -> bool {
+    now_ms().abs_diff(at_ms) <= MAX_CLOCK_AHEAD_MS
 }
 
 /// What the publisher is handed.
@@ -104,9 +136,22 @@ struct Outbox {
     bus: Arc<ReplicaBus>,
 }
 
+impl Outgoing {
+    /// About the bytes it holds (its hashes), for the outbox's bound.
+    fn bytes(&self) -> usize {
+        match self {
+            Outgoing::Sent(s) => 64 + 8 * (s.chunks.len() + s.blocks.as_ref().map_or(0, Vec::len)),
+            _ => 64,
+        }
+    }
+}
+
 impl Outbox {
     fn hand(&self, out: Outgoing) {
-        if self.tx.try_send(out).is_err() {
+        let bytes = out.bytes();
+        let queued = self.bus.outbox_bytes.fetch_add(bytes, Relaxed);
+        if queued + bytes > OUTBOX_BYTES || self.tx.try_send(out).is_err() {
+            self.bus.outbox_bytes.fetch_sub(bytes, Relaxed);
             self.bus.metrics.drop_decisions("outbox_full", 1);
         }
         self.wake_publisher();
@@ -185,6 +230,12 @@ impl ReplicaBus {
             "--replica-bus needs the memory store: each replica keeps its own index and the bus \
              keeps them alike (a shared --store or --index-url is the other way to share one)"
         );
+        if settings.key.is_none() {
+            tracing::warn!(
+                bus = %settings.url,
+                "replica bus without a shared key (--replica-bus-insecure): any client of the NATS server is a trusted peer"
+            );
+        }
         let metrics = Arc::new(BusMetrics::register(registry));
         let replica = crate::core::random_u64();
         let bus = Arc::new(Self {
@@ -193,14 +244,17 @@ impl ReplicaBus {
             synced: AtomicBool::new(false),
             sleeping: AtomicBool::new(false),
             wake: tokio::sync::Notify::new(),
+            key: settings.key.clone(),
+            outbox_bytes: std::sync::atomic::AtomicUsize::new(0),
         });
         let (connected_tx, connected_rx) = mpsc::unbounded_channel();
-        let client = {
-            let bus = bus.clone();
-            let url = settings.url.clone();
-            async_nats::ConnectOptions::new()
+        let options = || async {
+            let (bus, url, connected_tx) =
+                (bus.clone(), settings.url.clone(), connected_tx.clone());
+            Ok::<_, anyhow::Error>(settings
+                .connect_options()
+                .await?
                 .no_echo()
-                .retry_on_initial_connect()
                 .connection_timeout(Duration::from_secs(2))
                 .name(format!("prefix-router-{replica:016x}"))
                 .event_callback(move |event| {
@@ -218,13 +272,41 @@ impl ReplicaBus {
                                 bus.metrics.connected.set(0);
                                 bus.synced.store(false, Relaxed);
                             }
+                            async_nats::Event::ServerError(e) => {
+                                tracing::warn!(bus = %url, error = %e, "replica bus: the NATS server reports an error");
+                            }
                             other => tracing::debug!(bus = %url, event = %other, "replica bus event"),
                         }
                     }
-                })
-                .connect(settings.url.as_str())
-                .await
-                .map_err(|e| anyhow::anyhow!("--replica-bus {}: {e}", settings.url))?
+                }))
+        };
+        // A bus that is down at start is retried in the background (the router serves
+        // meanwhile); one that refuses this router's credentials or TLS is a configuration
+        // error, said at once rather than logged for ever.
+        let client = match options().await?.connect(settings.url.as_str()).await {
+            Ok(client) => client,
+            Err(e) => {
+                use async_nats::ConnectErrorKind as K;
+                match e.kind() {
+                    K::AuthorizationViolation | K::Authentication => anyhow::bail!(
+                        "--replica-bus {}: the NATS server refused this router's credentials ({:?}): {e}",
+                        settings.url,
+                        settings.auth
+                    ),
+                    K::Tls | K::ServerParse => {
+                        anyhow::bail!("--replica-bus {}: {e}", settings.url)
+                    }
+                    _ => {
+                        tracing::warn!(bus = %settings.url, error = %e, "replica bus unreachable at start: routing alone, connecting in the background");
+                        options()
+                            .await?
+                            .retry_on_initial_connect()
+                            .connect(settings.url.as_str())
+                            .await
+                            .map_err(|e| anyhow::anyhow!("--replica-bus {}: {e}", settings.url))?
+                    }
+                }
+            }
         };
         let batches = client.subscribe(settings.subject.clone()).await?;
         let snapshot_subject = format!("{}.snapshot", settings.subject);
@@ -310,7 +392,8 @@ struct Said {
 }
 
 impl Said {
-    fn take(&mut self, out: Outgoing) {
+    fn take(&mut self, out: Outgoing, bus: &ReplicaBus) {
+        bus.outbox_bytes.fetch_sub(out.bytes(), Relaxed);
         match out {
             Outgoing::Sent(s) => self.sent.push(s),
             Outgoing::Unhealthy(id) => self.unhealthy.push(id),
@@ -350,7 +433,7 @@ async fn publish(
             std::sync::atomic::fence(SeqCst);
             // Handed before the flag could be seen: not left waiting for the sleep to end.
             match outbox.try_recv() {
-                Ok(out) => said.take(out),
+                Ok(out) => said.take(out, &bus),
                 Err(std::sync::mpsc::TryRecvError::Empty) => {
                     let sleep = tokio::time::sleep(HEARTBEAT.saturating_sub(told_at.elapsed()));
                     tokio::select! {
@@ -368,7 +451,7 @@ async fn publish(
         }
         loop {
             match outbox.try_recv() {
-                Ok(out) => said.take(out),
+                Ok(out) => said.take(out, &bus),
                 Err(std::sync::mpsc::TryRecvError::Empty) => break,
                 // The core (which holds the sender) is gone.
                 Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
@@ -420,20 +503,24 @@ async fn publish(
             seq += 1;
             let decisions = frame_sent.len() as u64;
             let told_first_bytes = first_bytes.len() as u64;
-            let frame = wire::encode(&wire::Batch {
-                replica: bus.replica,
-                seq,
-                sent: frame_sent,
-                load: load.clone(),
-                unhealthy: std::mem::take(&mut unhealthy),
-                first_bytes: std::mem::take(&mut first_bytes),
-                // In the last frame: after every decision it may end.
-                ended: Some(if rest.peek().is_none() {
-                    std::mem::take(&mut ended)
-                } else {
-                    Vec::new()
-                }),
-            });
+            let frame = bus.encode(
+                &wire::Batch {
+                    replica: bus.replica,
+                    seq,
+                    at_ms: Some(now_ms()),
+                    sent: frame_sent,
+                    load: load.clone(),
+                    unhealthy: std::mem::take(&mut unhealthy),
+                    first_bytes: std::mem::take(&mut first_bytes),
+                    // In the last frame: after every decision it may end.
+                    ended: Some(if rest.peek().is_none() {
+                        std::mem::take(&mut ended)
+                    } else {
+                        Vec::new()
+                    }),
+                },
+                wire::Kind::Batch,
+            );
             let bytes = frame.len() as u64;
             match client.publish(subject.clone(), Bytes::from(frame)).await {
                 Ok(()) => {
@@ -488,7 +575,7 @@ async fn apply(mut batches: async_nats::Subscriber, core: Weak<Core>, bus: Arc<R
         };
         metrics.count(&metrics.messages, "received", 1);
         metrics.count(&metrics.bytes, "received", message.payload.len() as u64);
-        let batch = match wire::decode::<wire::Batch>(&message.payload) {
+        let mut batch = match bus.decode::<wire::Batch>(&message.payload, wire::Kind::Batch) {
             Ok(b) => b,
             Err(e) => {
                 tracing::debug!(error = %e, subject = %message.subject, "replica bus: message ignored");
@@ -499,11 +586,26 @@ async fn apply(mut batches: async_nats::Subscriber, core: Weak<Core>, bus: Arc<R
         if batch.replica == bus.replica {
             continue;
         }
+        // An authenticated frame must be recent: a recorded one replayed later is not.
+        if bus.key.is_some() && !batch.at_ms.is_some_and(fresh) {
+            metrics.reject("stale");
+            continue;
+        }
         let Some(core) = core.upgrade() else { return };
+        if let Some(load) = &mut batch.load {
+            if let Err(reason) = bounded_load(&core, load) {
+                metrics.reject(reason);
+                continue;
+            }
+        }
         let has_load = batch.load.is_some();
         {
             let mut peers = peers.lock();
             let now = Instant::now();
+            if let Err(reason) = peers.admit(batch.replica, batch.seq, MAX_PEERS, now) {
+                metrics.reject(reason);
+                continue;
+            }
             // Its prompts in flight, if it tells their ends: started, ended, then cleared
             // where its table (sent after both) says nothing is in flight.
             let tells_ends = batch.ended.is_some();
@@ -585,6 +687,22 @@ fn in_flight(core: &Core, sent: &wire::Sent) -> Option<(u64, PromptInFlight)> {
     Some((full, prompt))
 }
 
+/// Keeps the rows of a peer's load table that name backends of this fleet (once each), or
+/// refuses the table when a value is beyond what a replica can hold.
+fn bounded_load(core: &Core, load: &mut Vec<wire::Load>) -> Result<(), &'static str> {
+    let implausible = |l: &wire::Load| {
+        l.inflight > MAX_PEER_REQUESTS
+            || l.waiting_first_byte > MAX_PEER_REQUESTS
+            || l.queued_prefill_tokens > MAX_PEER_PREFILL_TOKENS
+    };
+    if load.iter().any(implausible) {
+        return Err("implausible");
+    }
+    let mut seen = std::collections::HashSet::with_capacity(load.len().min(4096));
+    load.retain(|l| core.backend(l.backend).is_some() && seen.insert(l.backend));
+    Ok(())
+}
+
 /// Writes the live peers' summed load into every backend (zero where none holds any).
 fn set_remote_load(core: &Core, peers: &PeerLoads) {
     let totals = peers.totals();
@@ -614,6 +732,22 @@ async fn serve_snapshots(
             bus.metrics.reject("malformed");
             continue;
         };
+        // With the fleet's key, only a peer's fresh request, for the inbox it names, is
+        // answered: the index is not for strangers.
+        if bus.key.is_some() {
+            match bus.decode::<wire::SnapshotRequest>(&request.payload, wire::Kind::SnapshotRequest)
+            {
+                Ok(asked) if fresh(asked.at_ms) && asked.inbox == reply.as_str() => {}
+                Ok(_) => {
+                    bus.metrics.reject("stale");
+                    continue;
+                }
+                Err(e) => {
+                    bus.metrics.reject(e.label());
+                    continue;
+                }
+            }
+        }
         let Some(core) = core.upgrade() else { return };
         let Some(memory) = core.store().as_memory() else {
             return;
@@ -638,12 +772,15 @@ async fn serve_snapshots(
         }
         let count = parts.len() as u32;
         for (i, servers) in parts.into_iter().enumerate() {
-            let frame = wire::encode(&wire::SnapshotPart {
-                replica: bus.replica,
-                part: i as u32,
-                parts: count,
-                servers,
-            });
+            let frame = bus.encode(
+                &wire::SnapshotPart {
+                    replica: bus.replica,
+                    part: i as u32,
+                    parts: count,
+                    servers,
+                },
+                wire::Kind::SnapshotPart,
+            );
             if let Err(e) = client.publish(reply.clone(), Bytes::from(frame)).await {
                 tracing::debug!(error = %e, "replica bus: could not send a snapshot part");
                 break;
@@ -707,8 +844,19 @@ async fn fetch_snapshot(
         .subscribe(inbox.clone())
         .await
         .map_err(|_| "failed")?;
+    let request = match bus.key {
+        Some(_) => bus.encode(
+            &wire::SnapshotRequest {
+                replica: bus.replica,
+                at_ms: now_ms(),
+                inbox: inbox.to_string(),
+            },
+            wire::Kind::SnapshotRequest,
+        ),
+        None => Vec::new(),
+    };
     client
-        .publish_with_reply(subject.to_owned(), inbox, Bytes::new())
+        .publish_with_reply(subject.to_owned(), inbox, Bytes::from(request))
         .await
         .map_err(|_| "failed")?;
     let memory = core.store().as_memory().ok_or("failed")?;
@@ -728,8 +876,13 @@ async fn fetch_snapshot(
         {
             return Err("no_peer");
         }
-        let part = match wire::decode::<wire::SnapshotPart>(&answer.payload) {
-            Ok(p) => p,
+        let part = match bus.decode::<wire::SnapshotPart>(&answer.payload, wire::Kind::SnapshotPart)
+        {
+            Ok(p) if p.parts <= MAX_SNAPSHOT_PARTS => p,
+            Ok(_) => {
+                bus.metrics.reject("too_large");
+                continue;
+            }
             Err(e) => {
                 bus.metrics.reject(e.label());
                 continue;
@@ -744,9 +897,12 @@ async fn fetch_snapshot(
                 bus.metrics.reject("unknown_backend");
                 continue;
             };
+            // A peer's clock a little ahead is believed; an entry dated far in the future would
+            // outlive every real one.
+            let latest = now_ms() + MAX_CLOCK_AHEAD_MS;
             let mut entries: Vec<(u64, u32, Tick)> = entries
                 .into_iter()
-                .map(|(h, d, t)| (h, d, Tick::from_millis(t)))
+                .map(|(h, d, t)| (h, d, Tick::from_millis(t.min(latest))))
                 .collect();
             if let Err(e) = memory.merge(server, &mut entries) {
                 tracing::warn!(error = %e, "replica bus: could not merge a snapshot part");

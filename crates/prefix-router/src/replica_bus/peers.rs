@@ -23,6 +23,8 @@ pub struct Totals {
 
 struct Peer {
     heard: Instant,
+    /// The last frame number applied: an older or repeated one is a replay.
+    seq: u64,
     load: Vec<Load>,
     /// When `load` came: its queues' ages count from then.
     told: Instant,
@@ -56,9 +58,14 @@ impl PeerLoads {
         let peer = self.peer(replica, now);
         peer.heard = peer.heard.max(now);
         if let Some(load) = load {
-            let busy = |backend: u64| load.iter().any(|l| l.backend == backend && l.inflight > 0);
+            let busy: std::collections::HashSet<u64> = load
+                .iter()
+                .filter(|l| l.inflight > 0)
+                .map(|l| l.backend)
+                .collect();
             let before = peer.prompts.len();
-            peer.prompts.retain(|&(backend, _), _| busy(backend));
+            peer.prompts
+                .retain(|(backend, _), _| busy.contains(backend));
             let cleared = peer.prompts.len() != before;
             peer.load = load;
             peer.told = now;
@@ -69,10 +76,31 @@ impl PeerLoads {
     fn peer(&mut self, replica: u64, now: Instant) -> &mut Peer {
         self.peers.entry(replica).or_insert_with(|| Peer {
             heard: now,
+            seq: 0,
             load: Vec::new(),
             told: now,
             prompts: HashMap::new(),
         })
+    }
+
+    /// Whether a frame numbered `seq` from `replica` may be applied: a known peer's must be
+    /// newer than the last one applied, and a new peer must find room among `max_peers`.
+    pub fn admit(
+        &mut self,
+        replica: u64,
+        seq: u64,
+        max_peers: usize,
+        now: Instant,
+    ) -> Result<(), &'static str> {
+        if !self.peers.contains_key(&replica) && self.peers.len() >= max_peers {
+            return Err("too_many_peers");
+        }
+        let peer = self.peer(replica, now);
+        if seq <= peer.seq {
+            return Err("replayed");
+        }
+        peer.seq = seq;
+        Ok(())
     }
 
     /// A peer sent a request to `prompt.backend`, whose prompt's last full chunk hashed to
@@ -330,5 +358,25 @@ mod tests {
         );
         assert_eq!(peers.live(), 1);
         assert_eq!(peers.totals()[&10].inflight, 2);
+    }
+
+    /// New replica ids beyond the bound are not tracked (20 frames of fresh ids once added a
+    /// peer each), and a peer's frames are applied in order only.
+    #[test]
+    fn peers_are_bounded_and_replays_refused() {
+        let now = Instant::now();
+        let mut peers = PeerLoads::default();
+        for id in 0..4 {
+            assert_eq!(peers.admit(id, 1, 4, now), Ok(()));
+        }
+        assert_eq!(peers.admit(99, 1, 4, now), Err("too_many_peers"));
+        assert_eq!(peers.live(), 4);
+        assert_eq!(peers.admit(0, 2, 4, now), Ok(()));
+        assert_eq!(peers.admit(0, 2, 4, now), Err("replayed"));
+        assert_eq!(peers.admit(0, 1, 4, now), Err("replayed"));
+        assert_eq!(peers.admit(0, 3, 4, now), Ok(()));
+        // A silent peer's place frees up.
+        peers.expire(now + Duration::from_secs(10), Duration::from_secs(3));
+        assert_eq!(peers.admit(99, 1, 4, now + Duration::from_secs(10)), Ok(()));
     }
 }

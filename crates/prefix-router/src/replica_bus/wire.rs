@@ -5,11 +5,29 @@
 //! leading chunk hashes (a shared system prompt, earlier turns of a conversation). Decoding
 //! checks the tag and bounds the decompressed size before allocating, so a foreign or hostile
 //! message costs a counter, never a panic or a large allocation.
+//!
+//! With the fleet's shared key ([`BusKey`]) a frame is `PRB2`, the HMAC-SHA256 of the rest,
+//! the message's kind (one byte: a batch cannot be replayed as a snapshot), then the LZ4 block;
+//! a frame whose tag does not verify is refused before it is decompressed. Without a key,
+//! frames are `PRB1` and the LZ4 block.
 
 use serde::{Deserialize, Serialize};
 
-/// The frame tag of this version.
+use super::auth::{BusKey, TAG_LEN};
+
+/// The frame tag of unauthenticated frames.
 pub const TAG: [u8; 4] = *b"PRB1";
+/// The frame tag of frames authenticated with the fleet's key.
+pub const SIGNED_TAG: [u8; 4] = *b"PRB2";
+
+/// What a frame holds (bound into an authenticated frame's tag).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    Batch = 1,
+    SnapshotRequest = 2,
+    SnapshotPart = 3,
+}
 /// The largest decompressed message accepted.
 pub const MAX_DECODED: usize = 16 << 20;
 
@@ -120,6 +138,19 @@ pub struct Batch {
     /// prompts in flight are not tracked).
     #[serde(default)]
     pub ended: Option<Vec<Ended>>,
+    /// When it was sent (Unix ms): an authenticated frame much older or newer than the
+    /// receiver's clock is a replay. None from replicas before it.
+    #[serde(default)]
+    pub at_ms: Option<u64>,
+}
+
+/// A replica asks for a peer's string index, to be answered on `inbox` (bound into the
+/// authenticated request, so a captured request cannot be redirected to another inbox).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotRequest {
+    pub replica: u64,
+    pub at_ms: u64,
+    pub inbox: String,
 }
 
 /// A server's index entries in a snapshot: `(server, [(hash, depth, last_used ms)])`.
@@ -146,6 +177,8 @@ pub enum DecodeError {
     Compression(String),
     #[error("bad message: {0}")]
     Message(String),
+    #[error("not authenticated with the fleet's key")]
+    Unauthenticated,
 }
 
 impl DecodeError {
@@ -156,22 +189,60 @@ impl DecodeError {
             Self::TooLarge(_) => "too_large",
             Self::Compression(_) => "compression",
             Self::Message(_) => "malformed",
+            Self::Unauthenticated => "unauthenticated",
         }
     }
 }
 
-/// Frames a message.
-pub fn encode<T: Serialize>(message: &T) -> Vec<u8> {
+/// Frames a message of `kind`, with the fleet's key when it has one.
+pub fn encode<T: Serialize>(message: &T, kind: Kind, key: Option<&BusKey>) -> Vec<u8> {
     let packed = rmp_serde::to_vec(message).expect("bus messages serialize");
-    let mut out = Vec::with_capacity(TAG.len() + 4 + packed.len() / 2);
-    out.extend_from_slice(&TAG);
-    out.extend_from_slice(&lz4_flex::compress_prepend_size(&packed));
-    out
+    let compressed = lz4_flex::compress_prepend_size(&packed);
+    match key {
+        None => {
+            let mut out = Vec::with_capacity(TAG.len() + compressed.len());
+            out.extend_from_slice(&TAG);
+            out.extend_from_slice(&compressed);
+            out
+        }
+        Some(key) => {
+            let kind = [kind as u8];
+            let tag = key.tag(&[&SIGNED_TAG, &kind, &compressed]);
+            let mut out = Vec::with_capacity(SIGNED_TAG.len() + TAG_LEN + 1 + compressed.len());
+            out.extend_from_slice(&SIGNED_TAG);
+            out.extend_from_slice(&tag);
+            out.extend_from_slice(&kind);
+            out.extend_from_slice(&compressed);
+            out
+        }
+    }
 }
 
-/// Reads a framed message.
-pub fn decode<T: for<'de> Deserialize<'de>>(frame: &[u8]) -> Result<T, DecodeError> {
-    let body = frame.strip_prefix(&TAG).ok_or(DecodeError::Foreign)?;
+/// Reads a framed message of `kind`: with a key, only one whose tag verifies under it.
+pub fn decode<T: for<'de> Deserialize<'de>>(
+    frame: &[u8],
+    kind: Kind,
+    key: Option<&BusKey>,
+) -> Result<T, DecodeError> {
+    let body = match key {
+        None => frame.strip_prefix(&TAG).ok_or(DecodeError::Foreign)?,
+        Some(key) => {
+            let signed = frame
+                .strip_prefix(&SIGNED_TAG)
+                .ok_or(DecodeError::Unauthenticated)?;
+            if signed.len() < TAG_LEN + 1 {
+                return Err(DecodeError::Unauthenticated);
+            }
+            let (tag, rest) = signed.split_at(TAG_LEN);
+            if !key.verify(&[&SIGNED_TAG, rest], tag) {
+                return Err(DecodeError::Unauthenticated);
+            }
+            if rest[0] != kind as u8 {
+                return Err(DecodeError::Foreign);
+            }
+            &rest[1..]
+        }
+    };
     let size = body
         .get(..4)
         .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
@@ -221,12 +292,16 @@ mod tests {
                 backend: 5,
                 last: u64::MAX,
             }]),
+            at_ms: Some(1_700_000_000_000),
         }
     }
 
     #[test]
     fn a_batch_survives_the_round_trip() {
-        assert_eq!(decode::<Batch>(&encode(&batch())), Ok(batch()));
+        assert_eq!(
+            decode::<Batch>(&encode(&batch(), Kind::Batch, None), Kind::Batch, None),
+            Ok(batch())
+        );
     }
 
     /// A decision as replicas sent it before they told the request string's length.
@@ -283,9 +358,13 @@ mod tests {
         expected.load.as_mut().unwrap()[0].queue_moved_ms_ago = None;
         expected.first_bytes.clear();
         expected.ended = None;
+        expected.at_ms = None;
         expected.sent[0].bytes = None;
         expected.sent[0].block_size = None;
-        assert_eq!(decode::<Batch>(&encode(&earlier)), Ok(expected));
+        assert_eq!(
+            decode::<Batch>(&encode(&earlier, Kind::Batch, None), Kind::Batch, None),
+            Ok(expected)
+        );
     }
 
     #[test]
@@ -298,7 +377,10 @@ mod tests {
             kv_usage: 0.25,
         };
         let sent = FirstByte::from_seen(5, &seen);
-        let back = decode::<FirstByte>(&encode(&sent)).unwrap().seen().unwrap();
+        let back = decode::<FirstByte>(&encode(&sent, Kind::Batch, None), Kind::Batch, None)
+            .unwrap()
+            .seen()
+            .unwrap();
         assert_eq!(back, seen);
     }
 
@@ -348,38 +430,89 @@ mod tests {
                 block_size: None,
             })
             .collect();
-        let framed = encode(&b).len();
+        let framed = encode(&b, Kind::Batch, None).len();
         let raw = 100 * 65 * 8;
         assert!(framed * 4 < raw, "{framed} bytes framed for {raw} raw");
     }
 
     #[test]
     fn foreign_and_broken_frames_are_refused() {
-        assert_eq!(decode::<Batch>(b"{\"hello\":1}"), Err(DecodeError::Foreign));
+        assert_eq!(
+            decode::<Batch>(b"{\"hello\":1}", Kind::Batch, None),
+            Err(DecodeError::Foreign)
+        );
         let mut bomb = TAG.to_vec();
         bomb.extend_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(
-            decode::<Batch>(&bomb),
+            decode::<Batch>(&bomb, Kind::Batch, None),
             Err(DecodeError::TooLarge(u32::MAX as usize))
         );
-        let mut truncated = encode(&batch());
+        let mut truncated = encode(&batch(), Kind::Batch, None);
         truncated.truncate(truncated.len() - 3);
-        assert!(decode::<Batch>(&truncated).is_err());
-        let other = encode(&("not", "a", "batch"));
+        assert!(decode::<Batch>(&truncated, Kind::Batch, None).is_err());
+        let other = encode(&("not", "a", "batch"), Kind::Batch, None);
         assert_eq!(
-            decode::<Batch>(&other).map_err(|e| e.label()),
+            decode::<Batch>(&other, Kind::Batch, None).map_err(|e| e.label()),
             Err("malformed")
+        );
+    }
+
+    /// With the fleet's key, a frame is read only when its tag verifies: a forged one, one
+    /// under another key, an unauthenticated one, one damaged after signing, or one of another
+    /// kind is refused before it is decompressed.
+    #[test]
+    fn only_frames_tagged_with_the_fleets_key_are_read() {
+        let key = BusKey::new(b"the fleet's key, long enough").unwrap();
+        let other = BusKey::new(b"another fleet's key, as long").unwrap();
+        let signed = encode(&batch(), Kind::Batch, Some(&key));
+        assert_eq!(
+            decode::<Batch>(&signed, Kind::Batch, Some(&key)),
+            Ok(batch())
+        );
+        let refused = |frame: &[u8]| {
+            decode::<Batch>(frame, Kind::Batch, Some(&key))
+                .map_err(|e| e.label())
+                .err()
+        };
+        assert_eq!(
+            refused(&encode(&batch(), Kind::Batch, Some(&other))),
+            Some("unauthenticated")
+        );
+        assert_eq!(
+            refused(&encode(&batch(), Kind::Batch, None)),
+            Some("unauthenticated")
+        );
+        let mut damaged = signed.clone();
+        *damaged.last_mut().unwrap() ^= 1;
+        assert_eq!(refused(&damaged), Some("unauthenticated"));
+        let mut forged = signed.clone();
+        forged[SIGNED_TAG.len()] ^= 1;
+        assert_eq!(refused(&forged), Some("unauthenticated"));
+        assert_eq!(refused(&signed[..20]), Some("unauthenticated"));
+        assert_eq!(
+            decode::<Batch>(&signed, Kind::SnapshotPart, Some(&key)).map_err(|e| e.label()),
+            Err("foreign"),
+            "a batch is no snapshot part"
+        );
+        assert_eq!(
+            decode::<Batch>(&signed, Kind::Batch, None).map_err(|e| e.label()),
+            Err("foreign"),
+            "a replica without the key reads no signed frame"
         );
     }
 
     proptest! {
         #[test]
         fn no_input_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
-            let _ = decode::<Batch>(&bytes);
-            let mut tagged = TAG.to_vec();
-            tagged.extend_from_slice(&bytes);
-            let _ = decode::<Batch>(&tagged);
-            let _ = decode::<SnapshotPart>(&tagged);
+            let key = BusKey::new(b"a key of the fleet, 32 bytes long").unwrap();
+            let _ = decode::<Batch>(&bytes, Kind::Batch, None);
+            let _ = decode::<Batch>(&bytes, Kind::Batch, Some(&key));
+            for tag in [TAG, SIGNED_TAG] {
+                let mut tagged = tag.to_vec();
+                tagged.extend_from_slice(&bytes);
+                let _ = decode::<Batch>(&tagged, Kind::Batch, None);
+                let _ = decode::<SnapshotPart>(&tagged, Kind::SnapshotPart, Some(&key));
+            }
         }
     }
 }

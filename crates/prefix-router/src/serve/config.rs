@@ -101,18 +101,8 @@ pub struct ServeArgs {
     /// How often finished spans are sent to the collector.
     #[arg(long, env = "PREFIX_ROUTER_OTLP_INTERVAL", default_value = "5s", value_parser = crate::duration::parse)]
     pub otlp_interval: Duration,
-    /// Router replicas share their routing decisions and load over this NATS server
-    /// (`nats://host:4222`). Each replica still routes from its own memory store: the request
-    /// path never waits on the bus, and a bus outage leaves every replica routing on its own.
-    #[arg(long, env = "PREFIX_ROUTER_REPLICA_BUS")]
-    pub replica_bus: Option<String>,
-    /// The bus's subject prefix: the replicas that share one see one fleet.
-    #[arg(
-        long,
-        env = "PREFIX_ROUTER_REPLICA_BUS_SUBJECT",
-        default_value = "prefix-router"
-    )]
-    pub replica_bus_subject: String,
+    #[command(flatten)]
+    pub bus: crate::replica_bus::ReplicaBusArgs,
     /// Longest wait for the prefix store on a request before routing by load.
     #[arg(long, env = "PREFIX_ROUTER_STORE_TIMEOUT", default_value = "50ms", value_parser = crate::duration::parse)]
     pub store_timeout: Duration,

@@ -128,10 +128,17 @@ pub(crate) async fn gateway_with<T>(
     };
     let session_header = header_name("--session-header", &args.session_header)?;
     let tenant_header = header_name("--tenant-header", &args.queue.tenant_header)?;
+    let bus = args.bus.settings()?;
+    // The replicas' key seeds the hashes they exchange unless a seed is given.
+    let seed = args
+        .store
+        .hash_seed
+        .or_else(|| Some(bus.as_ref()?.key.as_ref()?.hash_seed()))
+        .unwrap_or(0);
     let mut registry = Registry::default();
     let strings = StringIndex::new(
         store,
-        args.store.hasher()?,
+        args.store.hasher_seeded(seed)?,
         args.store_timeout,
         inline_notify,
         &mut registry,
@@ -140,7 +147,7 @@ pub(crate) async fn gateway_with<T>(
         events: crate::core::events::EventSettings {
             warmup: args.kv_warmup,
             credit: args.kv_credit,
-            seed: args.store.hash_seed,
+            seed,
             max_message: args.kv_events_max_message,
         },
         default_port: args.kv_events_port,
@@ -196,16 +203,8 @@ pub(crate) async fn gateway_with<T>(
     monitor.apply(&args.backend_specs()?).await?;
     // After the configured backends joined: a peer's snapshot is merged for the backends this
     // replica knows.
-    if let Some(url) = &args.replica_bus {
-        crate::replica_bus::ReplicaBus::start(
-            crate::replica_bus::BusSettings {
-                url: url.clone(),
-                subject: args.replica_bus_subject.clone(),
-            },
-            &core,
-            &mut registry,
-        )
-        .await?;
+    if let Some(bus) = bus {
+        crate::replica_bus::ReplicaBus::start(bus, &core, &mut registry).await?;
     }
     let queue = args.queue.settings();
     let admission = queue.enabled().then(|| {

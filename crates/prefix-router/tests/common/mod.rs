@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 
 use prefix_router::serve::{self, Gateway, ServeArgs};
@@ -182,3 +183,83 @@ pub async fn fake_backend(completions: axum::Router) -> String {
 pub mod dashboard;
 pub mod envoy;
 pub mod vllm;
+
+/// A `nats-server` of this test's own.
+pub struct Nats {
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+    child: Child,
+}
+
+impl Nats {
+    /// Starts one on a free port; `None` (the test skips) where `nats-server` is not
+    /// installed, except in CI, where that fails the test.
+    pub async fn start() -> Option<Self> {
+        Self::start_with(&[]).await
+    }
+
+    /// One started with `args` besides its address and port (e.g. `--user`, `--pass`).
+    pub async fn start_with(args: &[&str]) -> Option<Self> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        match Self::start_on(port, args).await {
+            Some(n) => Some(n),
+            None if std::env::var_os("PREFIX_ROUTER_CI").is_some() => {
+                panic!("nats-server is needed in CI (Debian package nats-server)")
+            }
+            None => {
+                eprintln!("skipped: nats-server is not installed");
+                None
+            }
+        }
+    }
+
+    pub async fn start_on(port: u16, args: &[&str]) -> Option<Self> {
+        let child = Command::new("nats-server")
+            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok()?;
+        let nats = Self { port, child };
+        let up = eventually(10, || async {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+        })
+        .await;
+        assert!(up, "nats-server did not listen on {port}");
+        Some(nats)
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The key the tests' router replicas share (`--replica-bus-key-file`), written once.
+pub fn bus_key_file() -> String {
+    static PATH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let path =
+            std::env::temp_dir().join(format!("prefix-router-bus-key-{}", std::process::id()));
+        std::fs::write(&path, "the tests' shared replica bus key\n").unwrap();
+        path.display().to_string()
+    })
+    .clone()
+}
