@@ -195,3 +195,39 @@ async fn a_burst_of_siblings_spreads_over_equal_servers() {
         "prefix_load split the burst: {taken:?}"
     );
 }
+
+/// Answers that are errors (a 400 at once, whatever the prompt) teach the backend's prefill
+/// line nothing: four refused 200 kB prompts once made a backend look ten thousand times
+/// faster, so that `cost` treated it as free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn error_answers_teach_no_prefill_speed() {
+    let sims = fleet(timed(20_000.0), 1).await;
+    let urls = sims.urls();
+    let (r, gw) = router(&urls, &["--policy", "cost"]).await;
+    let url = r.url();
+    for i in 0..12u64 {
+        stream(&url, text(i, 2_000 + (i as usize * 377) % 3000)).await;
+    }
+    let backend = gw.core.fleet.snapshot()[0].clone();
+    let learned_from = backend.prefill.observations();
+    let line = backend.prefill.line();
+    assert!(learned_from >= 12, "{learned_from}");
+    let client = reqwest::Client::new();
+    for i in 0..4u64 {
+        let body = json!({"model": "sim-model", "prompt": text(100 + i, 200_000), "max_tokens": 2, "stream": true});
+        let resp = client
+            .post(format!("{url}/v1/completions"))
+            .header("x-sim-fail", "400")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 400);
+        resp.bytes().await.unwrap();
+    }
+    assert_eq!(backend.prefill.observations(), learned_from);
+    assert_eq!(backend.prefill.line(), line);
+    // Still a line a real answer fits.
+    let speeds = learned(&url, &urls).await;
+    assert!(speeds[0] < 100_000.0, "{speeds:?}");
+}

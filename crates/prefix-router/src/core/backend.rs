@@ -96,6 +96,9 @@ pub struct Backend {
     pub remote: RemoteLoad,
     /// Its prefill speed, learned from the TTFTs of streamed requests.
     pub prefill: crate::core::prefill::PrefillModel,
+    /// The longest prompt it takes (`max_model_len` of its models; 0: not known): no request
+    /// asks it to prefill more.
+    pub max_model_len: AtomicU64,
     /// From the backend's `/metrics`: `vllm:num_requests_running` + `num_requests_waiting`.
     pub reported_queue: AtomicU64,
     pub reported_running: AtomicU64,
@@ -180,6 +183,7 @@ impl Backend {
             progress_at: AtomicU64::new(progress_clock()),
             remote: RemoteLoad::default(),
             prefill: Default::default(),
+            max_model_len: AtomicU64::new(0),
             reported_queue: AtomicU64::new(0),
             reported_running: AtomicU64::new(0),
             reported_waiting: AtomicU64::new(0),
@@ -512,11 +516,15 @@ impl InflightGuard {
         self.on_end = Some(f);
     }
 
-    /// The first byte of the answer arrived.
-    pub fn first_byte(&mut self) {
+    /// The first byte of the answer arrived; `learnable` when the answer is a success whose
+    /// first frame is no error (an error comes at once, whatever the prompt: learned from, a
+    /// refused 200 kB prompt made the backend's prefill look a thousand times faster).
+    pub fn first_byte(&mut self, learnable: bool) {
         self.leave_prefill_queue();
         if let Some(f) = self.on_first_byte.take() {
-            f(self.sent.elapsed());
+            if learnable {
+                f(self.sent.elapsed());
+            }
         }
     }
 
@@ -722,7 +730,7 @@ mod tests {
             waited >= 0.03 && waited > at_send,
             "{at_send} then {waited}"
         );
-        first.first_byte();
+        first.first_byte(true);
         assert!(b.stalled_secs() < waited, "a first byte is progress");
         drop(second);
         assert_eq!(b.stalled_secs(), 0.0, "none of ours waits");
@@ -766,8 +774,8 @@ mod tests {
             ),
             (2, 2, 1000)
         );
-        g.first_byte();
-        g.first_byte();
+        g.first_byte(true);
+        g.first_byte(true);
         assert_eq!(ttfts.lock().len(), 1, "the first byte is reported once");
         assert_eq!(
             (
@@ -814,7 +822,7 @@ mod tests {
         assert_eq!(b.inflight.load(Relaxed), 1, "still in flight");
         // Its answer's end (its first byte) and its drop do not take it out a second time.
         let other = InflightGuard::new(b.clone(), 300);
-        whole.first_byte();
+        whole.first_byte(true);
         drop(whole);
         assert_eq!(queued(&b), (1, 300));
         assert_eq!(b.inflight.load(Relaxed), 1);
@@ -822,7 +830,7 @@ mod tests {
         // One whose answer comes (or that ends) first leaves once, and its timer is stopped.
         let mut early = InflightGuard::new(b.clone(), 500);
         early.leave_prefill_queue_after(due);
-        early.first_byte();
+        early.first_byte(true);
         let mut cancelled = InflightGuard::new(b.clone(), 200);
         cancelled.leave_prefill_queue_after(due);
         drop(cancelled);

@@ -5,10 +5,12 @@
 //! prompt tokens the backend must compute before this request's first token (the uncached
 //! tokens of the requests ahead of it that have not started answering, plus its own). It is
 //! fitted by exponentially weighted least squares over the recent streamed requests, held near
-//! a prior until the data say otherwise, and robust to stalls: an observation far above the
-//! line counts only as two spreads above it, the spread being the recent mean distance of the
-//! observations from the line (a Huber-style fit: on CPU vLLM one 190 ms stall among 15 ms
-//! answers had lifted the line by a third for dozens of requests).
+//! a prior until the data say otherwise, and robust to outliers on both sides: an observation
+//! far from the line counts only as two spreads from it, the spread being the recent mean
+//! distance of the observations from the line (a Huber-style fit: on CPU vLLM one 190 ms stall
+//! among 15 ms answers had lifted the line by a third for dozens of requests; an answer far
+//! sooner than any prefill could be, such as a refusal, would otherwise make the backend look
+//! free).
 //!
 //! A least-squares line predicts the mean TTFT, and under load TTFTs are skewed: a request waits
 //! for 0 to 1 engine step in progress, and a few wait behind a long batch, so most come sooner
@@ -30,8 +32,15 @@ const PRIOR_OVERHEAD_S: f64 = 0.02;
 const PRIOR_SECONDS_PER_TOKEN: f64 = 1e-4;
 /// Where the prior's second point lies, in tokens of work.
 const PRIOR_SPAN: f64 = 2048.0;
-/// An observation counts as at most this many spreads above the line.
+/// An observation counts as at most this many spreads above the line, or below it...
 const CLIP_SPREADS: f64 = 2.0;
+/// ... where the low side is never clipped closer than this fraction of the line (an answer a
+/// hundred times sooner than any prefill could be, a refusal, counts as half the line)...
+const LOW_CLIP_FRACTION: f64 = 0.5;
+/// ... and only once the line has this many observations: a backend several times faster than
+/// the prior must be learned within its first answers (clipped from the first, a fresh
+/// router's predictions on CPU vLLM erred 20 % instead of 16 %).
+const LOW_CLIP_AFTER: u64 = 16;
 /// The spread before any observation, as a fraction of the prediction (the prior is a guess).
 const PRIOR_SPREAD: f64 = 0.5;
 /// The spread never falls below this fraction of the prediction: a backend whose answers were
@@ -146,7 +155,14 @@ impl Sums {
             .spread
             .unwrap_or(line * PRIOR_SPREAD)
             .max(line * MIN_SPREAD);
-        let y = ttft.min(line + CLIP_SPREADS * spread);
+        let low = if self.observations < LOW_CLIP_AFTER {
+            0.0
+        } else {
+            (line - CLIP_SPREADS * spread)
+                .min(line * LOW_CLIP_FRACTION)
+                .max(0.0)
+        };
+        let y = ttft.clamp(low, line + CLIP_SPREADS * spread);
         self.spread = Some(spread + SPREAD_STEP * ((y - line).abs() - spread));
         self.w = self.w * DECAY + 1.0;
         self.x = self.x * DECAY + x;
@@ -323,6 +339,31 @@ mod tests {
         model.observe(10, f64::NAN);
         model.observe(10, -1.0);
         assert_eq!(model.line().ttft(1000), after);
+    }
+
+    /// An answer far sooner than its work allows (a refusal, an error event) moves the line a
+    /// bounded amount, as a stall does the other way.
+    #[test]
+    fn an_answer_far_below_the_line_moves_it_a_bounded_amount() {
+        let model = PrefillModel::default();
+        for i in 0..100u64 {
+            let work = 200 + (i * 131) % 2000;
+            model.observe(work, 0.01 + work as f64 / 20_000.0);
+        }
+        let before = model.line();
+        // Four prompts of the model's whole length (the router bounds work by it) answered in
+        // a millisecond.
+        for _ in 0..4 {
+            model.observe(4_096, 0.001);
+        }
+        let after = model.line();
+        let speed = |l: PrefillLine| 1.0 / l.seconds_per_token;
+        assert!(
+            speed(after) < speed(before) * 5.0,
+            "{:.0} tokens/s before, {:.0} after",
+            speed(before),
+            speed(after)
+        );
     }
 
     #[test]

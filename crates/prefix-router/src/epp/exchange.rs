@@ -68,6 +68,8 @@ struct Sent {
     received: Instant,
     /// The answer's status, once its headers passed.
     status: u16,
+    /// Whether the answer is an event stream.
+    sse: bool,
     prompt_tokens: Option<u64>,
     ended: bool,
 }
@@ -287,6 +289,7 @@ impl Exchange {
             uncached: decision.uncached,
             received,
             status: 0,
+            sse: false,
             prompt_tokens: None,
             ended: false,
         });
@@ -310,6 +313,8 @@ impl Exchange {
             .unwrap_or(200);
         if let Some(sent) = &mut self.sent {
             sent.status = status;
+            sent.sse = envoy::header(headers.headers.as_ref(), "content-type")
+                .is_some_and(|ct| ct.starts_with(b"text/event-stream"));
             if let Some(served) = served {
                 self.picker.served_by(sent, &served).await;
             }
@@ -324,7 +329,10 @@ impl Exchange {
         if let Some(sent) = &mut self.sent {
             if !body.body.is_empty() {
                 if let Some(guard) = &mut sent.guard {
-                    guard.first_byte();
+                    let status = if sent.status == 0 { 200 } else { sent.status };
+                    guard.first_byte(crate::serve::proxy::learnable_answer(
+                        status, sent.sse, &body.body,
+                    ));
                 }
                 if sent.prompt_tokens.is_none() {
                     sent.prompt_tokens = crate::serve::proxy::prompt_tokens_in(&body.body);

@@ -149,14 +149,23 @@ pub async fn get(
 
 /// Model ids from an OpenAI `/v1/models` answer.
 pub fn parse_models(body: &[u8]) -> Option<Vec<String>> {
+    parse_model_list(body).map(|(models, _)| models)
+}
+
+/// Model ids from an OpenAI `/v1/models` answer, and the longest `max_model_len` among them
+/// (vLLM's model cards carry it).
+pub fn parse_model_list(body: &[u8]) -> Option<(Vec<String>, Option<u64>)> {
     let v: serde_json::Value = serde_json::from_slice(body).ok()?;
-    Some(
-        v.get("data")?
-            .as_array()?
-            .iter()
-            .filter_map(|m| m.get("id")?.as_str().map(str::to_owned))
-            .collect(),
-    )
+    let data = v.get("data")?.as_array()?;
+    let models = data
+        .iter()
+        .filter_map(|m| m.get("id")?.as_str().map(str::to_owned))
+        .collect();
+    let longest = data
+        .iter()
+        .filter_map(|m| m.get("max_model_len")?.as_u64())
+        .max();
+    Some((models, longest))
 }
 
 /// One health round for one backend: `/health`, then (if healthy and not configured) its
@@ -172,9 +181,12 @@ pub async fn check_backend(m: &Monitor, backend: &Arc<Backend>) {
         match get(&m.client, backend, "/v1/models", timeout)
             .await
             .as_deref()
-            .and_then(parse_models)
+            .and_then(parse_model_list)
         {
-            Some(models) => {
+            Some((models, longest)) => {
+                backend
+                    .max_model_len
+                    .store(longest.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
                 let current = backend.models.load();
                 if current.len() != models.len()
                     || current.iter().zip(&models).any(|(a, b)| **a != **b)

@@ -170,6 +170,34 @@ pub(crate) fn prompt_tokens_in(frame: &[u8]) -> Option<u64> {
         })
 }
 
+/// Whether an answer of `status` whose first frame is `first` tells its backend's prefill
+/// speed: a success, and (a stream) not an error event (vLLM reports some failures, a prompt
+/// too long for instance, as a 200 stream whose first event is an error).
+pub(crate) fn learnable_answer(status: u16, sse: bool, first: &[u8]) -> bool {
+    (200..300).contains(&status) && !(sse && is_error_event(first))
+}
+
+/// Whether the first event of a stream is an error: its first `data:` line is a JSON object
+/// with an `error` member, or whose `object` is `"error"`.
+fn is_error_event(frame: &[u8]) -> bool {
+    let head = &frame[..frame.len().min(4096)];
+    let Some(at) = memchr::memmem::find(head, b"data:") else {
+        return false;
+    };
+    let line = &head[at + 5..];
+    let line = &line[..memchr::memchr(b'\n', line).unwrap_or(line.len())];
+    match serde_json::from_slice::<serde_json::Value>(line.trim_ascii()) {
+        Ok(serde_json::Value::Object(o)) => {
+            o.contains_key("error") || o.get("object").and_then(|v| v.as_str()) == Some("error")
+        }
+        // A cut JSON (a long event): only an error that says so at its start.
+        _ => {
+            let start = line.trim_ascii_start();
+            start.starts_with(b"{\"error\"") || start.starts_with(b"{\"object\":\"error\"")
+        }
+    }
+}
+
 /// Shared between the body and its deadline timer; whichever ends the answer first takes
 /// [`Live`], so it ends exactly once.
 struct Shared {
@@ -258,10 +286,11 @@ impl HttpBody for GuardedBody {
         let polled = Pin::new(&mut state.inner).poll_frame(cx);
         let at_end = match &polled {
             Poll::Ready(Some(Ok(frame))) => {
-                state.guard.first_byte();
-                if let Some(data) = frame.data_ref() {
-                    state.look_for_usage(data);
-                }
+                let data = frame.data_ref().map_or(&[][..], |d| &d[..]);
+                state
+                    .guard
+                    .first_byte(learnable_answer(this.status, this.sse, data));
+                state.look_for_usage(data);
                 // hyper stops polling a body of known length once it has all of it, so the
                 // last frame, not the end of the stream, is where a sized answer ends.
                 state.inner.is_end_stream()
@@ -337,6 +366,30 @@ fn next_counter() -> u64 {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn errors_and_error_events_teach_no_prefill() {
+        use super::learnable_answer;
+        let chunk = b"data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[]}\n\n";
+        assert!(learnable_answer(200, true, chunk));
+        assert!(
+            learnable_answer(200, false, b"{\"error\": 1}"),
+            "a whole answer"
+        );
+        assert!(!learnable_answer(400, true, chunk));
+        assert!(!learnable_answer(503, false, b""));
+        for error in [
+            &b"data: {\"error\": {\"message\": \"too long\", \"code\": 400}}\n\n"[..],
+            b"data: {\"object\": \"error\", \"message\": \"x\"}\n\n",
+            b"data: {\"error\": {\"message\": \"cut",
+        ] {
+            assert!(
+                !learnable_answer(200, true, error),
+                "{}",
+                String::from_utf8_lossy(error)
+            );
+        }
+    }
+
     use super::prompt_tokens_in;
 
     #[test]

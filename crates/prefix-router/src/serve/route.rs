@@ -501,6 +501,11 @@ pub(crate) async fn begin_attempt(
     let uncached = attempt.uncached.unwrap_or_else(|| {
         (attempt.text_bytes as f64 / backend.bytes_per_token().max(0.1)).round() as u64
     });
+    // A backend computes no more than its longest prompt (it refuses a longer one at once).
+    let uncached = match backend.max_model_len.load(Relaxed) {
+        0 => uncached,
+        longest => uncached.min(longest),
+    };
     let row = backend.row();
     let mut guard = InflightGuard::new(backend.clone(), uncached);
     guard.tell_when_load_eases(attempt.load_eased);
