@@ -143,10 +143,11 @@ pub struct CompareArgs {
     pub balance_abs: u64,
     #[arg(long, default_value_t = 1.5)]
     pub balance_rel: f64,
-    /// The gateway-queue flags of the `+queue` systems.
+    /// The gateway-queue flags of the `+queue` systems (the benchmark's client sets
+    /// `x-priority` and `x-tenant`, so the router trusts them).
     #[arg(
         long,
-        default_value = "--max-queue-wait 500ms --max-queued 100000",
+        default_value = "--max-queue-wait 500ms --max-queued 100000 --trust-client-headers",
         allow_hyphen_values = true
     )]
     pub queue_args: String,

@@ -26,7 +26,11 @@ async fn until_depth(url: &str, n: f64) {
 async fn held_requests_leave_by_priority_then_tenant_turns_then_arrival() {
     let sims = fleet(slow(), 1).await;
     // One request prefilling at a time: every other one waits at the router.
-    let (r, _) = router(&sims.urls(), &["--queue-when-waiting", "1"]).await;
+    let (r, _) = router(
+        &sims.urls(),
+        &["--queue-when-waiting", "1", "--trust-client-headers"],
+    )
+    .await;
     let url = r.url();
     let blocker = tokio::spawn(send(url.clone(), text(1, 60_000), vec![]));
     assert!(
@@ -148,7 +152,13 @@ async fn a_request_queued_too_long_gets_503_and_a_bad_priority_400() {
     let sims = fleet(slow(), 1).await;
     let (r, _) = router(
         &sims.urls(),
-        &["--queue-when-waiting", "1", "--queue-timeout", "200ms"],
+        &[
+            "--queue-when-waiting",
+            "1",
+            "--queue-timeout",
+            "200ms",
+            "--trust-client-headers",
+        ],
     )
     .await;
     let url = r.url();
@@ -178,4 +188,55 @@ async fn a_request_queued_too_long_gets_503_and_a_bad_priority_400() {
     }
     assert_eq!(blocker.await.unwrap().0, 200);
     assert_eq!(metric(&url, "prefix_router_requests_total", "").await, 1.0);
+}
+
+/// `--max-queued` is shared fairly: with tenant A's requests filling the queue, tenant B's
+/// first is queued in place of A's newest (which gets the 429), and both are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_keeps_a_place_for_each_tenant() {
+    let sims = fleet(slow(), 1).await;
+    let (r, _) = router(
+        &sims.urls(),
+        &[
+            "--queue-when-waiting",
+            "1",
+            "--max-queued",
+            "5",
+            "--trust-client-headers",
+        ],
+    )
+    .await;
+    let url = r.url();
+    let blocker = tokio::spawn(send(url.clone(), text(1, 60_000), vec![]));
+    assert!(
+        eventually(10, || async {
+            metric(&url, "prefix_router_inflight", "").await == 1.0
+        })
+        .await
+    );
+    let as_tenant = |t: &str| vec![("x-tenant", t.to_owned())];
+    let mut a = Vec::new();
+    for i in 0..5 {
+        a.push(tokio::spawn(send(
+            url.clone(),
+            text(10 + i, 400),
+            as_tenant("a"),
+        )));
+        until_depth(&url, i as f64 + 1.0).await;
+    }
+    // A's sixth and seventh: the queue is full and A holds all of it.
+    for i in 5..7 {
+        let (status, _) = send(url.clone(), text(10 + i, 400), as_tenant("a")).await;
+        assert_eq!(status, 429);
+    }
+    let b = tokio::spawn(send(url.clone(), text(99, 400), as_tenant("b")));
+    // A's newest leaves with a 429; B waits in its place.
+    let newest = a.pop().unwrap();
+    assert_eq!(newest.await.unwrap().0, 429);
+    assert_eq!(depth(&url).await, 5.0);
+    assert_eq!(blocker.await.unwrap().0, 200);
+    assert_eq!(b.await.unwrap().0, 200);
+    for h in a {
+        assert_eq!(h.await.unwrap().0, 200);
+    }
 }

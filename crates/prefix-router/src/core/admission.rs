@@ -5,11 +5,15 @@
 //! It sits before the decision: a request leaves the queue when some backend for its model has
 //! room again, and only then is it matched and routed, so its choice is made on the state it
 //! will meet. Requests leave by priority (highest first), fairly between the tenants of one
-//! priority (they take turns, one request each), and first in first out within a tenant. One
-//! admitted request at a time is "in transit" (admitted, not yet counted against a backend),
-//! whether released from the queue or admitted at once, so a backend that frees one slot does
-//! not receive the whole queue, and a burst arriving at a nearly saturated fleet does not pass
-//! on one look at its room.
+//! priority (they take turns, one request each), and first in first out within a tenant.
+//! Requests "in transit" (admitted, not yet counted against a backend) are bounded: at most as
+//! many as the backends with room when admitted at once, and one at a time when released from
+//! the queue, so a backend that frees one slot does not receive the whole queue, and a burst
+//! arriving at a nearly saturated fleet does not pass on one look at its room (while an idle
+//! fleet places requests side by side). When the queue is full, a tenant holding less than its
+//! share of it (the bound over the tenants queued) takes the place of the newest request of the
+//! tenant holding the most, which is refused instead: one tenant cannot fill the queue for
+//! all.
 //!
 //! Nothing is lost or duplicated: a waiter that leaves (client gone, queue timeout) removes
 //! itself; a release sent to a waiter that has just left is handed to the next one.
@@ -198,13 +202,14 @@ impl Drop for Permit {
     }
 }
 
-/// Decides, for the queue, whether a model's backends are all saturated under some bounds.
-pub type SaturationCheck = Box<dyn Fn(Option<&str>, &Bounds) -> bool + Send + Sync>;
+/// Tells the queue how many of a model's backends have room under some bounds (0: all are
+/// saturated).
+pub type RoomCheck = Box<dyn Fn(Option<&str>, &Bounds) -> usize + Send + Sync>;
 
 struct Waiter {
     id: u64,
     model: Option<Arc<str>>,
-    tx: oneshot::Sender<Permit>,
+    tx: oneshot::Sender<Result<Permit, Refused>>,
 }
 
 #[derive(Default)]
@@ -218,10 +223,13 @@ struct Queue {
     /// By priority; the highest is served first.
     levels: BTreeMap<i32, Level>,
     next_id: u64,
+    /// Requests queued per tenant, all priorities together.
+    per_tenant: HashMap<u64, usize>,
 }
 
 impl Queue {
-    fn push(&mut self, ticket: &Ticket, tx: oneshot::Sender<Permit>) -> u64 {
+    fn push(&mut self, ticket: &Ticket, tx: oneshot::Sender<Result<Permit, Refused>>) -> u64 {
+        *self.per_tenant.entry(ticket.tenant).or_default() += 1;
         self.next_id += 1;
         let waiter = Waiter {
             id: self.next_id,
@@ -257,7 +265,49 @@ impl Queue {
                 self.levels.remove(&ticket.priority);
             }
         }
+        self.left(ticket.tenant);
         true
+    }
+
+    /// One of `tenant`'s requests left the queue.
+    fn left(&mut self, tenant: u64) {
+        if let Some(n) = self.per_tenant.get_mut(&tenant) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_tenant.remove(&tenant);
+            }
+        }
+    }
+
+    /// With the queue full at `max_queued`: if `tenant` holds less than its share (the bound
+    /// over the tenants queued, itself counted), the newest, lowest-priority request of the
+    /// tenant holding the most beyond its share leaves to make room; returned with its
+    /// priority.
+    fn make_room_for(&mut self, tenant: u64, max_queued: usize) -> Option<(i32, Waiter)> {
+        let tenants = self.per_tenant.len() + usize::from(!self.per_tenant.contains_key(&tenant));
+        let share = (max_queued / tenants.max(1)).max(1);
+        let holds = self.per_tenant.get(&tenant).copied().unwrap_or(0);
+        if holds >= share {
+            return None;
+        }
+        let (&largest, &held) = self.per_tenant.iter().max_by_key(|(t, n)| (**n, **t))?;
+        if held <= share {
+            return None;
+        }
+        let (&priority, level) = self
+            .levels
+            .iter_mut()
+            .find(|(_, l)| l.tenants.iter().any(|(t, _)| *t == largest))?;
+        let t = level.tenants.iter().position(|(t, _)| *t == largest)?;
+        let waiter = level.tenants[t].1.pop_back()?;
+        if level.tenants[t].1.is_empty() {
+            level.tenants.remove(t);
+            if level.tenants.is_empty() {
+                self.levels.remove(&priority);
+            }
+        }
+        self.left(largest);
+        Some((priority, waiter))
     }
 
     /// Takes the next waiter whose model has room for its priority: highest priority first,
@@ -289,6 +339,7 @@ impl Queue {
         } else if level.tenants.is_empty() {
             self.levels.remove(&priority);
         }
+        self.left(tenant);
         Some((priority, waiter))
     }
 }
@@ -371,7 +422,7 @@ pub struct Admission {
     in_transit: AtomicUsize,
     /// Told whenever room may have freed: a first byte, a finished request, a permit used.
     wake: Arc<Notify>,
-    saturated: SaturationCheck,
+    room: RoomCheck,
     /// Exponentially weighted mean wait of released requests, in µs (for `Retry-After`).
     mean_wait_us: AtomicU64,
     metrics: AdmissionMetrics,
@@ -382,10 +433,10 @@ pub struct Admission {
 const RECHECK: Duration = Duration::from_millis(25);
 
 impl Admission {
-    /// A queue judging saturation with `saturated`, with its dispatcher running.
+    /// A queue judging the fleet's room with `room`, with its dispatcher running.
     pub fn start(
         settings: AdmissionSettings,
-        saturated: SaturationCheck,
+        room: RoomCheck,
         registry: &mut Registry,
     ) -> Arc<Self> {
         let admission = Arc::new(Self {
@@ -394,7 +445,7 @@ impl Admission {
             depth: AtomicUsize::new(0),
             in_transit: AtomicUsize::new(0),
             wake: Arc::new(Notify::new()),
-            saturated,
+            room,
             mean_wait_us: AtomicU64::new(0),
             metrics: AdmissionMetrics::register(registry),
         });
@@ -408,26 +459,43 @@ impl Admission {
         let priority = PriorityLabels {
             priority: ticket.priority,
         };
-        // Room at once, and nobody ahead: admitted directly. It takes the in-transit place
-        // like a released request, or a burst arriving together would all see the same room
-        // (none of them is counted against a backend until it is routed) and all pass.
-        if self.depth.load(Relaxed) == 0 && self.take_transit() {
+        // Room at once, and nobody ahead: admitted directly, while fewer are in transit than
+        // backends have room (none of them is counted against a backend until it is routed:
+        // a burst must not all pass on one look at one backend's room).
+        if self.depth.load(Relaxed) == 0 {
             let bounds = self.settings.bounds(ticket.priority);
-            if !(self.saturated)(ticket.model.as_deref(), &bounds) {
+            let room = (self.room)(ticket.model.as_deref(), &bounds);
+            if self.take_transit_within(room) {
                 self.count_admitted(ticket.priority, "direct");
                 return Ok(self.permit());
             }
-            self.in_transit.fetch_sub(1, Relaxed);
         }
         let (tx, rx) = oneshot::channel();
         let id = {
             let mut queue = self.queue.lock();
             if self.depth.load(Relaxed) >= self.settings.max_queued {
-                drop(queue);
-                self.count_left(ticket.priority, "full");
-                return Err(Refused::Full {
-                    retry_after: self.retry_after(),
-                });
+                match queue.make_room_for(ticket.tenant, self.settings.max_queued) {
+                    Some((pushed_priority, pushed)) => {
+                        self.depth.fetch_sub(1, Relaxed);
+                        self.metrics
+                            .depth
+                            .get_or_create(&PriorityLabels {
+                                priority: pushed_priority,
+                            })
+                            .dec();
+                        self.count_left(pushed_priority, "full");
+                        let _ = pushed.tx.send(Err(Refused::Full {
+                            retry_after: self.retry_after(),
+                        }));
+                    }
+                    None => {
+                        drop(queue);
+                        self.count_left(ticket.priority, "full");
+                        return Err(Refused::Full {
+                            retry_after: self.retry_after(),
+                        });
+                    }
+                }
             }
             self.depth.fetch_add(1, Relaxed);
             queue.push(&ticket, tx)
@@ -442,7 +510,11 @@ impl Admission {
             released: false,
         };
         match tokio::time::timeout(self.settings.timeout, rx).await {
-            Ok(Ok(permit)) => {
+            Ok(Ok(Err(pushed_out))) => {
+                place.released = true;
+                Err(pushed_out)
+            }
+            Ok(Ok(Ok(permit))) => {
                 place.released = true;
                 let waited = enqueued.elapsed();
                 self.metrics
@@ -510,9 +582,22 @@ impl Admission {
 
     /// Takes the one in-transit place if it is free.
     fn take_transit(&self) -> bool {
-        self.in_transit
-            .compare_exchange(0, 1, AcqRel, Relaxed)
-            .is_ok()
+        self.take_transit_within(1)
+    }
+
+    /// Takes a place in transit if fewer than `limit` are taken.
+    fn take_transit_within(&self, limit: usize) -> bool {
+        let mut taken = self.in_transit.load(Relaxed);
+        while taken < limit {
+            match self
+                .in_transit
+                .compare_exchange_weak(taken, taken + 1, AcqRel, Relaxed)
+            {
+                Ok(_) => return true,
+                Err(now) => taken = now,
+            }
+        }
+        false
     }
 
     /// Room for one request, holding the in-transit place (taken) until dropped.
@@ -531,9 +616,9 @@ impl Admission {
                 let mut queue = self.queue.lock();
                 let next = queue.next(|model, priority| {
                     let key = (model.map(Arc::<str>::from), priority > 0);
-                    *room.entry(key).or_insert_with(|| {
-                        !(self.saturated)(model, &self.settings.bounds(priority))
-                    })
+                    *room
+                        .entry(key)
+                        .or_insert_with(|| (self.room)(model, &self.settings.bounds(priority)) > 0)
                 });
                 if next.is_some() {
                     self.depth.fetch_sub(1, Relaxed);
@@ -551,7 +636,7 @@ impl Admission {
                 .dec();
             // A waiter that has just left drops the permit with its receiver: the place in
             // transit frees again and the loop goes on with the next.
-            let _ = waiter.tx.send(self.permit());
+            let _ = waiter.tx.send(Ok(self.permit()));
         }
     }
 }
@@ -628,7 +713,7 @@ mod tests {
         let f = full.clone();
         let a = Admission::start(
             settings(max_queued),
-            Box::new(move |_, _| f.load(Relaxed)),
+            Box::new(move |_, _| usize::from(!f.load(Relaxed))),
             &mut Registry::default(),
         );
         (a, full)
@@ -975,7 +1060,7 @@ mod tests {
         s.timeout = Duration::from_millis(50);
         let a = Admission::start(
             s,
-            Box::new(move |_, _| f.load(Relaxed)),
+            Box::new(move |_, _| usize::from(!f.load(Relaxed))),
             &mut Registry::default(),
         );
         assert!(matches!(
@@ -983,5 +1068,63 @@ mod tests {
             Err(Refused::TimedOut { .. })
         ));
         assert_eq!(a.depth(), 0);
+    }
+
+    /// With `--max-queued 5` full of tenant A's requests, tenant B's first is queued in
+    /// place of A's newest (refused), not refused itself; A cannot take more than its share.
+    #[tokio::test]
+    async fn a_full_queue_makes_room_for_a_tenant_below_its_share() {
+        let (a, _full) = queue(5);
+        let mut held = Vec::new();
+        for i in 0..5 {
+            let a2 = a.clone();
+            held.push(tokio::spawn(async move {
+                a2.admit(ticket(0, 1)).await.map(|_| ())
+            }));
+            while a.depth() < i + 1 {
+                tokio::task::yield_now().await;
+            }
+        }
+        let b = tokio::spawn({
+            let a = a.clone();
+            async move { a.admit(ticket(0, 2)).await.map(|_| ()) }
+        });
+        // A's newest leaves with a 429, B takes its place.
+        let newest = held.pop().unwrap();
+        assert!(matches!(newest.await.unwrap(), Err(Refused::Full { .. })));
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        assert!(!b.is_finished(), "B waits in the queue");
+        assert_eq!(a.depth(), 5);
+        // A holds 4, beyond its share (5 / 2): its next is refused.
+        assert!(matches!(
+            a.admit(ticket(0, 1)).await,
+            Err(Refused::Full { .. })
+        ));
+        for h in held {
+            h.abort();
+        }
+        b.abort();
+    }
+
+    /// An idle fleet of four backends with room admits four requests side by side; a fifth
+    /// waits until one of them is counted against a backend.
+    #[tokio::test]
+    async fn requests_pass_side_by_side_up_to_the_backends_with_room() {
+        let a = Admission::start(settings(10), Box::new(|_, _| 4), &mut Registry::default());
+        let mut permits = Vec::new();
+        for t in 0..4 {
+            permits.push(a.admit(ticket(0, t)).await.unwrap());
+        }
+        let fifth = tokio::spawn({
+            let a = a.clone();
+            async move { a.admit(ticket(0, 9)).await.map(|_| ()) }
+        });
+        while a.depth() == 0 {
+            tokio::task::yield_now().await;
+        }
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert!(!fifth.is_finished());
+        permits.clear();
+        assert_eq!(fifth.await.unwrap(), Ok(()));
     }
 }

@@ -333,14 +333,18 @@ impl Core {
         out
     }
 
-    /// Whether every healthy backend serving `model` is saturated (the gateway queue holds
-    /// its requests then). With none healthy, no: the request is refused at once instead.
-    pub fn saturated(&self, model: Option<&str>, bounds: &admission::Bounds) -> bool {
+    /// How many healthy backends serving `model` have room under `bounds` (the gateway queue
+    /// holds its requests while none has). With none healthy, one: the request is refused at
+    /// once instead of queued.
+    pub fn room(&self, model: Option<&str>, bounds: &admission::Bounds) -> usize {
         let candidates = self.candidates(model).backends;
-        !candidates.is_empty()
-            && candidates
-                .iter()
-                .all(|b| admission::saturated(&b.row(), bounds))
+        if candidates.is_empty() {
+            return 1;
+        }
+        candidates
+            .iter()
+            .filter(|b| !admission::saturated(&b.row(), bounds))
+            .count()
     }
 
     /// Orders `candidates` (not empty) for a request by the configured policy, asking the

@@ -224,9 +224,9 @@ fn body_answer(direction: Direction, common: CommonResponse) -> ProcessingRespon
 
 /// A request body handed back in pieces, the last one ending the stream (a body that fits in
 /// one piece, the usual case, is moved, not copied).
-pub fn streamed_request_body(body: Vec<u8>) -> Vec<ProcessingResponse> {
+pub fn streamed_request_body(body: bytes::Bytes) -> Vec<ProcessingResponse> {
     if body.len() <= BODY_CHUNK {
-        return vec![streamed_body(Direction::Request, body, true)];
+        return vec![streamed_body(Direction::Request, body.to_vec(), true)];
     }
     let pieces = body.chunks(BODY_CHUNK).count();
     body.chunks(BODY_CHUNK)
@@ -350,7 +350,7 @@ mod tests {
     #[test]
     fn a_body_goes_back_in_pieces_and_only_the_last_ends_it() {
         let body = vec![7u8; BODY_CHUNK * 2 + 5];
-        let pieces = streamed_request_body(body.clone());
+        let pieces = streamed_request_body(body.clone().into());
         assert_eq!(pieces.len(), 3);
         let mut back = Vec::new();
         for (i, p) in pieces.iter().enumerate() {

@@ -182,12 +182,16 @@ impl Exchange {
                 BodyMode::FullDuplex => Vec::new(),
             };
         }
-        let body = std::mem::take(&mut self.body);
+        let body = bytes::Bytes::from(std::mem::take(&mut self.body));
         self.place(Instant::now(), Some(body)).await
     }
 
     /// Places the request and answers: the picked endpoints, then its body back.
-    async fn place(&mut self, received: Instant, body: Option<Vec<u8>>) -> Vec<ProcessingResponse> {
+    async fn place(
+        &mut self,
+        received: Instant,
+        body: Option<bytes::Bytes>,
+    ) -> Vec<ProcessingResponse> {
         let gw = self.picker.gw.clone();
         let head = self.head.take().unwrap_or(RequestHead {
             method: String::new(),
@@ -293,7 +297,10 @@ impl Exchange {
             prompt_tokens: None,
             ended: false,
         });
-        let mut answers = vec![envoy::picked(&endpoints, body.as_ref().map(Vec::len))];
+        let mut answers = vec![envoy::picked(
+            &endpoints,
+            body.as_ref().map(bytes::Bytes::len),
+        )];
         if let Some(body) = body {
             match self.request_mode {
                 BodyMode::FullDuplex => answers.extend(envoy::streamed_request_body(body)),

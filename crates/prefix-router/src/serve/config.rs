@@ -91,6 +91,10 @@ pub struct ServeArgs {
         value_delimiter = ','
     )]
     pub tokenizers: Vec<String>,
+    /// Precise mode: request bodies larger than this (bytes) are not tokenized; the string
+    /// index matches them (tokenizing megabytes costs the router seconds of CPU).
+    #[arg(long, env = "PREFIX_ROUTER_TOKENIZE_MAX_BYTES", default_value_t = 2 << 20)]
+    pub tokenize_max_bytes: usize,
     /// A shared remote `prefix-router index` to use as the store instead of `--store`.
     #[arg(long, env = "PREFIX_ROUTER_INDEX_URL")]
     pub index_url: Option<String>,
@@ -247,10 +251,17 @@ pub struct QueueArgs {
     /// Longest stay in the queue; then 503 with `Retry-After`.
     #[arg(long, env = "PREFIX_ROUTER_QUEUE_TIMEOUT", default_value = "60s", value_parser = crate::duration::parse)]
     pub queue_timeout: Duration,
-    /// Header naming a request's tenant (tenants of one priority take turns in the queue);
-    /// without it, the request's bearer token stands for its tenant.
+    /// Header naming a request's tenant (tenants of one priority take turns in the queue),
+    /// read only with `--trust-client-headers`; otherwise a request's tenant is its keys-file
+    /// tenant, else its bearer token.
     #[arg(long, env = "PREFIX_ROUTER_TENANT_HEADER", default_value = "x-tenant")]
     pub tenant_header: String,
+    /// Take `x-priority` and the tenant header from clients that are no keys-file tenant
+    /// (behind a gateway that sets or strips them). Without it they are ignored: any client
+    /// could otherwise jump the queue or take a new turn per request. A keys-file tenant may
+    /// always lower its priority with `x-priority`.
+    #[arg(long, env = "PREFIX_ROUTER_TRUST_CLIENT_HEADERS")]
+    pub trust_client_headers: bool,
     /// Also tell the backends each request's priority: written into the body as vLLM's
     /// `priority` (negated: vLLM serves lower values first), so that backends started with
     /// `--scheduling-policy priority` order their own waiting requests by it too. Only for

@@ -9,6 +9,7 @@ pub mod discovery;
 pub mod inference_pool;
 pub(crate) mod metrics;
 pub mod monitor;
+mod prepare;
 pub(crate) mod proxy;
 pub mod request_string;
 pub(crate) mod route;
@@ -58,6 +59,11 @@ pub struct GatewaySettings {
     pub tenant_header: HeaderName,
     /// Write each request's priority into its body for vLLM (`--forward-priority`).
     pub forward_priority: bool,
+    /// Take `x-priority` and the tenant header from clients without a tenant
+    /// (`--trust-client-headers`).
+    pub trust_client_headers: bool,
+    /// Precise mode tokenizes bodies up to this size (`--tokenize-max-bytes`).
+    pub tokenize_max_bytes: usize,
 }
 
 impl GatewaySettings {
@@ -78,6 +84,8 @@ pub struct Gateway {
     pub monitor: Monitor,
     /// The gateway queue, when a saturation bound is set.
     pub admission: Option<Arc<Admission>>,
+    /// Requests being prepared off the async workers at once (one per core).
+    pub(crate) cpu_slots: tokio::sync::Semaphore,
     /// Trace export (`--otlp-endpoint`).
     pub traces: Option<Arc<crate::traces::Traces>>,
     pub(crate) metrics: Arc<GatewayMetrics>,
@@ -212,8 +220,7 @@ pub(crate) async fn gateway_with<T>(
         Admission::start(
             queue,
             Box::new(move |model, bounds| {
-                weak.upgrade()
-                    .is_some_and(|core| core.saturated(model, bounds))
+                weak.upgrade().map_or(0, |core| core.room(model, bounds))
             }),
             &mut registry,
         )
@@ -237,7 +244,12 @@ pub(crate) async fn gateway_with<T>(
             max_concurrent: args.limits.max_concurrent,
             tenant_header,
             forward_priority: args.queue.forward_priority,
+            trust_client_headers: args.queue.trust_client_headers,
+            tokenize_max_bytes: args.tokenize_max_bytes,
         },
+        cpu_slots: tokio::sync::Semaphore::new(
+            std::thread::available_parallelism().map_or(1, |n| n.get()),
+        ),
         monitor,
         metrics,
         registry,

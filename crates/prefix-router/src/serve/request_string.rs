@@ -93,6 +93,8 @@ pub struct Routing {
     pub stream: bool,
     /// The body sets vLLM's `priority` itself (then the router does not write its own).
     pub sets_priority: bool,
+    /// That priority, when it is an integer (vLLM serves lower values first).
+    pub priority: Option<i64>,
 }
 
 fn invalid(what: &str) -> InvalidRequest {
@@ -139,12 +141,16 @@ pub fn routing(endpoint: Endpoint, body: &[u8]) -> Result<Routing, InvalidReques
     };
     let stream = fields.stream.is_some_and(|s| s.get() == "true");
     let sets_priority = !is_null(fields.priority);
+    let priority = fields
+        .priority
+        .and_then(|p| p.get().trim().parse::<i64>().ok());
     if endpoint == Endpoint::Other {
         return Ok(Routing {
             model,
             text: String::new(),
             stream,
             sets_priority,
+            priority,
         });
     }
     let Some(model) = model else {
@@ -212,6 +218,7 @@ pub fn routing(endpoint: Endpoint, body: &[u8]) -> Result<Routing, InvalidReques
         text,
         stream,
         sets_priority,
+        priority,
     })
 }
 
@@ -235,6 +242,19 @@ pub fn with_priority(body: &[u8], vllm_priority: i64) -> bytes::Bytes {
     out.extend_from_slice(field.as_bytes());
     out.extend_from_slice(rest);
     out.into()
+}
+
+/// `body` (a JSON object, as [`routing`] checked) with its own `priority` replaced by
+/// `vllm_priority` (the rest re-serialized in its order); the body as it is if it cannot be.
+pub fn replace_priority(body: &[u8], vllm_priority: i64) -> bytes::Bytes {
+    match serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(body) {
+        Ok(mut fields) => {
+            fields.insert("priority".into(), vllm_priority.into());
+            serde_json::to_vec(&fields)
+                .map_or_else(|_| bytes::Bytes::copy_from_slice(body), Into::into)
+        }
+        Err(_) => bytes::Bytes::copy_from_slice(body),
+    }
 }
 
 /// A completions prompt or embeddings input: a string, a list of strings (the first), token
@@ -446,6 +466,7 @@ mod tests {
                 text: String::new(),
                 stream: false,
                 sets_priority: false,
+                priority: None,
             }
         );
     }

@@ -10,9 +10,10 @@ use axum::extract::Request;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 
-use super::metrics::{model_label, FallbackLabels, Label, RequestLabels, UNKNOWN_MODEL};
+use super::metrics::{model_label, Label, RequestLabels, UNKNOWN_MODEL};
+use super::prepare::{prepare, Prepared};
 use super::proxy;
-use super::request_string::{self, Endpoint, InvalidRequest};
+use super::request_string::{self, Endpoint, InvalidRequest, Routing};
 use super::Gateway;
 use crate::api_error::ApiError;
 use crate::core::admission::{Permit, Refused, Ticket};
@@ -38,12 +39,13 @@ fn bad_gateway(why: impl std::fmt::Display) -> Response {
 
 use crate::core::admission::PRIORITIES;
 
-/// The request's priority: `x-priority` (higher first), else its tenant's (the keys file), else
-/// 0. A tenant's priority is also the most its requests may ask for.
-fn priority(headers: &HeaderMap, tenant: Option<&Tenant>) -> Result<i32, ApiError> {
+/// The request's priority: its tenant's (the keys file), which `x-priority` may lower; without
+/// a tenant, `x-priority` when `--trust-client-headers` says clients may set it; else 0.
+fn priority(headers: &HeaderMap, tenant: Option<&Tenant>, trusted: bool) -> Result<i32, ApiError> {
     let ceiling = tenant.map(Tenant::priority);
-    let Some(value) = headers.get("x-priority") else {
-        return Ok(ceiling.unwrap_or(0));
+    let value = match headers.get("x-priority") {
+        Some(v) if tenant.is_some() || trusted => v,
+        _ => return Ok(ceiling.unwrap_or(0)),
     };
     value
         .to_str()
@@ -61,13 +63,21 @@ fn priority(headers: &HeaderMap, tenant: Option<&Tenant>) -> Result<i32, ApiErro
 }
 
 /// The request's tenant for the queue's turns: its tenant in the keys file, else the tenant
-/// header, else its bearer token (as a hash: the queue never holds a key), else everyone
-/// without either is one tenant.
-fn fairness_key(headers: &HeaderMap, tenant_header: &HeaderName, known: Option<&Tenant>) -> u64 {
+/// header when `--trust-client-headers`, else its bearer token (as a hash: the queue never
+/// holds a key), else everyone without either is one tenant.
+fn fairness_key(
+    headers: &HeaderMap,
+    tenant_header: &HeaderName,
+    known: Option<&Tenant>,
+    trusted: bool,
+) -> u64 {
     if let Some(t) = known {
         return t.fairness_key;
     }
-    let named = headers.get(tenant_header).map(|v| (1u8, v));
+    let named = headers
+        .get(tenant_header)
+        .filter(|_| trusted)
+        .map(|v| (1u8, v));
     let keyed = || {
         headers
             .get(axum::http::header::AUTHORIZATION)
@@ -128,6 +138,24 @@ fn limited(tenant: &Tenant, why: Limited) -> Response {
     response
 }
 
+/// A priority to write into a request's body for vLLM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum VllmPriority {
+    /// The body sets none: this one is added.
+    Add(i64),
+    /// The body asks for more than its tenant may: its own is replaced by this one.
+    Replace(i64),
+}
+
+impl VllmPriority {
+    pub fn write(self, body: &[u8]) -> bytes::Bytes {
+        match self {
+            VllmPriority::Add(p) => request_string::with_priority(body, p),
+            VllmPriority::Replace(p) => request_string::replace_priority(body, p),
+        }
+    }
+}
+
 /// A request the core has placed: the choice, and what its sending and accounting need.
 pub(crate) struct Placed {
     /// Streamed: the backend's head comes at once, so waiting for it is bounded.
@@ -140,8 +168,9 @@ pub(crate) struct Placed {
     pub permit: Permit,
     /// Its place under its tenant's concurrency cap, held until the answer ends.
     pub tenant_guard: Option<TenantGuard>,
-    /// The priority to write into its body for vLLM (`--forward-priority`), if any.
-    pub vllm_priority: Option<i64>,
+    /// The priority to write into its body for vLLM (`--forward-priority`, or the tenant's
+    /// ceiling over a body asking for more), if any.
+    pub vllm_priority: Option<VllmPriority>,
     /// What the string index learns where it is sent.
     pub prompt: Option<PromptKey>,
     pub decision: crate::core::Decision,
@@ -156,12 +185,19 @@ pub(crate) async fn place(
     endpoint: Endpoint,
     headers: &HeaderMap,
     tenant: Option<&Arc<Tenant>>,
-    body: &[u8],
+    body: &bytes::Bytes,
     eligible: Option<&(dyn Fn(&Backend) -> bool + Sync)>,
 ) -> Result<Placed, Response> {
-    let priority = priority(headers, tenant.map(|t| &**t)).map_err(IntoResponse::into_response)?;
-    let routing =
-        request_string::routing(endpoint, body).map_err(|e| ApiError::from(e).into_response())?;
+    let trusted = gw.settings.trust_client_headers;
+    let priority =
+        priority(headers, tenant.map(|t| &**t), trusted).map_err(IntoResponse::into_response)?;
+    // Parsed, hashed and tokenized before the queue: that work neither holds the queue's place
+    // in transit nor runs on the async workers when the body is large.
+    let Prepared {
+        routing,
+        prompt,
+        tokens,
+    } = prepare(gw, endpoint, body).await?;
     let mut candidates = gw.core.candidates(routing.model.as_deref());
     let known = candidates.model.is_some();
     // The label is a name some backend serves, or a constant: never the client's text.
@@ -203,7 +239,12 @@ pub(crate) async fn place(
         Some(admission) => {
             let ticket = Ticket {
                 priority,
-                tenant: fairness_key(headers, &gw.settings.tenant_header, tenant.map(|t| &**t)),
+                tenant: fairness_key(
+                    headers,
+                    &gw.settings.tenant_header,
+                    tenant.map(|t| &**t),
+                    trusted,
+                ),
                 model: known.then(|| model.clone()),
             };
             admission.admit(ticket).await.map_err(refused)?
@@ -211,13 +252,6 @@ pub(crate) async fn place(
         None => Permit::free(),
     };
     let released_under = gw.admission.as_ref().map(|a| a.bounds(priority));
-    let prompt = (gw.core.uses_prefixes() && endpoint != Endpoint::Other)
-        .then(|| gw.core.strings.key(&routing.text));
-    let tokens = if gw.core.events.is_some() && gw.core.uses_prefixes() {
-        token_ids(gw, endpoint, routing.model.as_deref(), body)
-    } else {
-        None
-    };
     let decision = if endpoint == Endpoint::Other {
         gw.core.pick_by_load(candidates.backends)
     } else {
@@ -237,12 +271,7 @@ pub(crate) async fn place(
             )
             .await
     };
-    // vLLM's default is 0, and it serves lower values first.
-    let vllm_priority = (gw.settings.forward_priority
-        && priority != 0
-        && !routing.sets_priority
-        && endpoint != Endpoint::Other)
-        .then(|| -i64::from(priority));
+    let vllm_priority = vllm_priority(gw, endpoint, &routing, priority, tenant.map(|t| &**t));
     Ok(Placed {
         vllm_priority,
         stream: routing.stream,
@@ -253,6 +282,31 @@ pub(crate) async fn place(
         prompt,
         decision,
     })
+}
+
+/// The priority to write into the body for vLLM (which serves lower values first; 0 by
+/// default): the request's own with `--forward-priority`, unless the body sets one; and a
+/// body asking for more than its tenant may (below minus its ceiling) is brought back to it,
+/// so a capped tenant cannot jump vLLM's priority scheduler.
+fn vllm_priority(
+    gw: &Gateway,
+    endpoint: Endpoint,
+    routing: &Routing,
+    priority: i32,
+    tenant: Option<&Tenant>,
+) -> Option<VllmPriority> {
+    if endpoint == Endpoint::Other {
+        return None;
+    }
+    if routing.sets_priority {
+        let floor = -i64::from(tenant?.priority());
+        return match routing.priority {
+            Some(asked) if asked >= floor => None,
+            // Above its ceiling, or no integer vLLM would take: the tenant's own.
+            _ => Some(VllmPriority::Replace(floor)),
+        };
+    }
+    (gw.settings.forward_priority && priority != 0).then(|| VllmPriority::Add(-i64::from(priority)))
 }
 
 /// The request path of every proxied endpoint.
@@ -287,41 +341,6 @@ pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Respon
     forward(&gw, parts, body, received, placed, span).await
 }
 
-/// The request's token ids exactly as vLLM computes them, or None (counted) where this router
-/// cannot: no tokenizer for the model, an endpoint or a request it cannot reproduce.
-fn token_ids(
-    gw: &Gateway,
-    endpoint: Endpoint,
-    model: Option<&str>,
-    body: &[u8],
-) -> Option<Vec<u32>> {
-    let fallback = |reason| {
-        gw.metrics
-            .tokenize_fallbacks
-            .get_or_create(&FallbackLabels { reason })
-            .inc();
-        None
-    };
-    let Some(tokenizer) = model.and_then(|m| gw.tokenizers.get(m)) else {
-        return fallback("no_tokenizer");
-    };
-    let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else {
-        return fallback("unsupported");
-    };
-    let ids = match endpoint {
-        Endpoint::Chat => tokenizer.chat_ids(&value),
-        Endpoint::Completions => tokenizer.prompt_ids(&value["prompt"]),
-        _ => return fallback("endpoint"),
-    };
-    match ids {
-        Ok(ids) => Some(ids),
-        Err(e) => {
-            tracing::debug!(error = %e, "token ids not reproducible: matching by strings");
-            fallback("unsupported")
-        }
-    }
-}
-
 /// Sends the request to the first backend of `order`, moving on after a connection error or a
 /// 5xx (at most `--max-retries` times) while nothing has reached the client yet.
 ///
@@ -349,7 +368,7 @@ async fn forward(
         vllm_priority,
     } = placed;
     let body = match vllm_priority {
-        Some(p) => request_string::with_priority(&body, p),
+        Some(p) => p.write(&body),
         None => body,
     };
     // A failure answered here ends the span; an answer passed through ends it at its end.
