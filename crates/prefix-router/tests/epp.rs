@@ -604,3 +604,135 @@ async fn tenants_keys_and_limits_hold_behind_the_gateway_too() {
     std::fs::remove_file(&file).unwrap();
     sims.shutdown().await;
 }
+
+/// The request headers' answer's header mutation: (set, removed).
+fn mutation(answer: &ProcessingResponse) -> (HashMap<String, String>, Vec<String>) {
+    let Some(processing_response::Response::RequestHeaders(h)) = &answer.response else {
+        panic!("expected the request headers' answer, got {answer:?}");
+    };
+    let m = h
+        .response
+        .as_ref()
+        .unwrap()
+        .header_mutation
+        .as_ref()
+        .unwrap();
+    let set = m
+        .set_headers
+        .iter()
+        .filter_map(|o| o.header.as_ref())
+        .map(|h| {
+            (
+                h.key.clone(),
+                String::from_utf8(h.raw_value.clone()).unwrap(),
+            )
+        })
+        .collect();
+    (set, m.remove_headers.clone())
+}
+
+/// A client's key is checked at its headers (a stranger's body is never buffered); the
+/// client's `Authorization` (this router's key) does not reach the backend, which gets its
+/// own key when one is configured.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_are_checked_at_the_headers_and_backends_get_their_own() {
+    let sims = fleet(instant(), 1).await;
+    let p = picker(&sims.urls(), &["--api-key", "client-key-123"]).await;
+    let mut gw = Gateway::open(&p.grpc_url()).await;
+    gw.send(keyed_headers("/v1/completions", "wrong-key")).await;
+    assert_eq!(immediate(&gw.next().await).0, 401, "at the headers");
+    let mut gw = Gateway::open(&p.grpc_url()).await;
+    gw.send(keyed_headers("/v1/completions", "client-key-123"))
+        .await;
+    gw.send(body_message(true, &completion("hello"), true))
+        .await;
+    let (set, removed) = mutation(&gw.next().await);
+    assert_eq!(removed, ["authorization"], "the client's key stays here");
+    assert!(!set.contains_key("authorization"));
+    drop(gw);
+    drop(p);
+
+    let p = picker(&sims.urls(), &["--backend-api-key", "backend-key-456"]).await;
+    let mut gw = Gateway::open(&p.grpc_url()).await;
+    gw.send(keyed_headers("/v1/completions", "anything")).await;
+    gw.send(body_message(true, &completion("hello"), true))
+        .await;
+    let (set, removed) = mutation(&gw.next().await);
+    assert_eq!(set["authorization"], "Bearer backend-key-456");
+    assert!(removed.is_empty());
+    sims.shutdown().await;
+}
+
+/// Streams beyond `--max-concurrent` are refused with RESOURCE_EXHAUSTED, not buffered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_beyond_the_bound_are_refused() {
+    let sims = fleet(instant(), 1).await;
+    let p = picker(&sims.urls(), &["--max-concurrent", "1"]).await;
+    let first = Gateway::open(&p.grpc_url()).await;
+    first.send(request_headers("/v1/completions", None)).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    match Gateway::try_open(&p.grpc_url()).await {
+        Err(status) => assert_eq!(status.code(), tonic::Code::ResourceExhausted),
+        Ok(_) => panic!("a second stream was served"),
+    }
+    // The first one's place frees when it closes.
+    drop(first);
+    assert!(
+        eventually(5, || async {
+            Gateway::try_open(&p.grpc_url()).await.is_ok()
+        })
+        .await,
+        "a stream is served again"
+    );
+    sims.shutdown().await;
+}
+
+/// With `response_body_mode: NONE` the answer is counted by its headers' status when the
+/// stream closes (it was counted 499, every time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_without_a_body_are_counted_by_their_status() {
+    let sims = fleet(instant(), 1).await;
+    let p = picker(&sims.urls(), &[]).await;
+    let mut gw = Gateway::open(&p.grpc_url()).await;
+    let mut headers = request_headers("/v1/completions", None);
+    headers.protocol_config = Some(ProtocolConfiguration {
+        request_body_mode: BodySendMode::FullDuplexStreamed as i32,
+        response_body_mode: BodySendMode::None as i32,
+        send_body_without_waiting_for_header_response: true,
+    });
+    gw.send(headers).await;
+    gw.send(body_message(true, &completion("hello"), true))
+        .await;
+    let endpoints = picked(&gw.next().await);
+    assert_eq!(endpoints.len(), 1);
+    let (_, end) = streamed(&gw.next().await, true);
+    assert!(end);
+    gw.send(ProcessingRequest {
+        request: Some(processing_request::Request::ResponseHeaders(HttpHeaders {
+            headers: Some(headers_of(&[(":status", "200")])),
+            end_of_stream: false,
+            ..Default::default()
+        })),
+        ..Default::default()
+    })
+    .await;
+    gw.next().await;
+    drop(gw);
+    let http = p.http.url();
+    assert!(
+        eventually(5, || async {
+            metric(&http, "prefix_router_requests_total", "status=\"200\"").await == 1.0
+        })
+        .await
+    );
+    assert_eq!(
+        metric(&http, "prefix_router_requests_total", "status=\"499\"").await,
+        0.0
+    );
+    assert_eq!(metric(&http, "prefix_router_inflight", "").await, 0.0);
+    sims.shutdown().await;
+}
+
+fn headers_of(pairs: &[(&str, &str)]) -> envoy_types::pb::envoy::config::core::v3::HeaderMap {
+    common::envoy::headers(pairs)
+}

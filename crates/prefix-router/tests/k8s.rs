@@ -512,3 +512,44 @@ async fn the_endpoint_picker_follows_its_inference_pool() {
     drop(picker);
     sims.shutdown().await;
 }
+
+/// A picker with static backends whose InferencePool does not exist (yet) is ready to pick
+/// among the static ones: readiness does not wait for a pool that may never come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_pool_leaves_a_picker_with_static_backends_ready() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+    let sims = vllm_sim::Fleet::start(
+        vllm_sim::SimConfig {
+            time_scale: 0.0,
+            ..vllm_sim::SimConfig::default()
+        },
+        1,
+        loopback,
+    )
+    .await
+    .unwrap();
+    let fake = Fake::new();
+    let client = serve_fake(&fake).await;
+    let picker = common::envoy::picker_with(
+        &sims.urls(),
+        &["--inference-pool", "llama", "--namespace", "llm"],
+        Some(client),
+    )
+    .await;
+    let grpc = picker.grpc_url();
+    let mut ready = false;
+    for _ in 0..100 {
+        ready = readiness(&grpc).await == ServingStatus::Serving as i32;
+        if ready {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        ready,
+        "ready with its static backend while the pool is missing"
+    );
+    drop(picker);
+    sims.shutdown().await;
+}

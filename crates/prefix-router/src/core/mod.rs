@@ -612,6 +612,11 @@ impl Core {
         let change = self
             .fleet
             .reconcile(specs, self.settings.default_capacity)?;
+        // The feeds follow the fleet before anything is awaited: a caller aborted at an await
+        // below (a pod watch restarted for a changed pool) must not leave them stale.
+        if let Some(events) = &self.events {
+            events.sync(&self.fleet.all(), |b| self.events_endpoints(b));
+        }
         for gone in change.removed {
             tracing::info!(backend = gone.url(), "backend left");
             for f in self.on_left.lock().iter() {
@@ -628,9 +633,6 @@ impl Core {
         for b in &change.added {
             tracing::info!(backend = b.url(), "backend joined");
             self.restore_capacity(b).await;
-        }
-        if let Some(events) = &self.events {
-            events.sync(&self.fleet.all(), |b| self.events_endpoints(b));
         }
         Ok(change.added)
     }

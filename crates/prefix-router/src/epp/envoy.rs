@@ -137,13 +137,28 @@ fn wrap(response: processing_response::Response) -> ProcessingResponse {
     }
 }
 
+/// Request headers the pick sets or removes besides the destination.
+#[derive(Clone, Debug, Default)]
+pub struct PickedHeaders {
+    pub set: Vec<(&'static str, Vec<u8>)>,
+    pub remove: Vec<&'static str>,
+}
+
 /// The answer to the request's headers once the endpoints are picked: the endpoints in the
-/// destination header and, the same value, in the `envoy.lb` dynamic metadata.
-pub fn picked(endpoints: &str, body_len: Option<usize>) -> ProcessingResponse {
+/// destination header and, the same value, in the `envoy.lb` dynamic metadata; and `headers`.
+pub fn picked(
+    endpoints: &str,
+    body_len: Option<usize>,
+    headers: PickedHeaders,
+) -> ProcessingResponse {
     let mut set_headers = vec![set(DESTINATION, endpoints.as_bytes())];
     if let Some(len) = body_len {
         set_headers.push(set("content-length", len.to_string().as_bytes()));
     }
+    for (name, value) in &headers.set {
+        set_headers.push(set(name, value));
+    }
+    let remove_headers = headers.remove.iter().map(|h| h.to_string()).collect();
     let lb = Struct {
         fields: [(
             DESTINATION.to_owned(),
@@ -168,7 +183,7 @@ pub fn picked(endpoints: &str, body_len: Option<usize>) -> ProcessingResponse {
                 response: Some(CommonResponse {
                     header_mutation: Some(HeaderMutation {
                         set_headers,
-                        ..Default::default()
+                        remove_headers,
                     }),
                     clear_route_cache: true,
                     ..Default::default()

@@ -7,6 +7,11 @@
 //! unchanged; the picker watches it for what the router learns from an answer (which endpoint
 //! served it, its first byte, its prompt tokens, its status) and releases the backend's
 //! in-flight count when it ends or when the stream closes.
+//!
+//! The client's key is checked at the request headers, before any of the body is buffered.
+//! The picked backend gets its own key (`--backend-api-key` or its config's), or none: the
+//! client's `Authorization`, a key of this router's, does not travel on. A request's trace span
+//! covers it from the headers on, and continues upstream (`traceparent`).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -25,7 +30,8 @@ use crate::core::backend::{Backend, InflightGuard};
 use crate::core::matches::PromptKey;
 use crate::serve::request_string::Endpoint;
 use crate::serve::route::{self, Attempt, Placed};
-use crate::tenants::TenantGuard;
+use crate::tenants::{Tenant, TenantGuard};
+use crate::traces::RequestSpan;
 
 /// How the gateway sends bodies on this stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,6 +40,9 @@ enum BodyMode {
     FullDuplex,
     /// The whole body in one message; the answer leaves it unchanged.
     Buffered,
+    /// No body at all (responses only): the answer's status comes with its headers, and its
+    /// first byte is never seen.
+    None,
 }
 
 impl BodyMode {
@@ -80,6 +89,9 @@ pub(super) struct Exchange {
     request_mode: BodyMode,
     response_mode: BodyMode,
     head: Option<RequestHead>,
+    /// The client's tenant, once its key was checked at the headers.
+    tenant: Option<Arc<Tenant>>,
+    span: Option<RequestSpan>,
     subset: Option<Vec<String>>,
     body: Vec<u8>,
     sent: Option<Sent>,
@@ -95,6 +107,8 @@ impl Exchange {
             request_mode: BodyMode::FullDuplex,
             response_mode: BodyMode::FullDuplex,
             head: None,
+            tenant: None,
+            span: None,
             subset: None,
             body: Vec::new(),
             sent: None,
@@ -109,10 +123,12 @@ impl Exchange {
     ) -> Result<Vec<ProcessingResponse>, tonic::Status> {
         if let Some(config) = &message.protocol_config {
             self.request_mode = BodyMode::of(config.request_body_mode, "request bodies")?;
-            // NONE: the gateway sends no response body, so there is nothing to hand back.
-            if config.response_body_mode != BodySendMode::None as i32 {
-                self.response_mode = BodyMode::of(config.response_body_mode, "response bodies")?;
-            }
+            // NONE: the gateway sends no response body: the answer is known by its headers.
+            self.response_mode = if config.response_body_mode == BodySendMode::None as i32 {
+                BodyMode::None
+            } else {
+                BodyMode::of(config.response_body_mode, "response bodies")?
+            };
         }
         let metadata = message.metadata_context.as_ref();
         let Some(request) = message.request.filter(|_| !self.answered) else {
@@ -142,7 +158,26 @@ impl Exchange {
     }
 
     async fn on_request_headers(&mut self, headers: HttpHeaders) -> Vec<ProcessingResponse> {
-        let head = RequestHead::of(headers.headers.as_ref());
+        let mut head = RequestHead::of(headers.headers.as_ref());
+        let gw = &self.picker.gw;
+        self.span = gw.traces.as_ref().map(|t| {
+            t.request(
+                format!(
+                    "{} {}",
+                    head.method,
+                    head.path.split('?').next().unwrap_or("")
+                ),
+                &mut head.headers,
+            )
+        });
+        // The key is checked now: a stranger's body is never buffered.
+        match gw.keys.admit(crate::access::Need::Client, &head.headers) {
+            Ok(tenant) => self.tenant = tenant,
+            Err(e) => {
+                self.picker.metrics.refused("unauthorized");
+                return vec![self.refuse(e.into_response()).await];
+            }
+        }
         self.head = Some(head);
         if headers.end_of_stream {
             // No body (a GET): the least loaded eligible backend.
@@ -159,26 +194,23 @@ impl Exchange {
         if self.body.len() + body.body.len() > self.picker.gw.settings.max_body {
             self.body = Vec::new();
             self.picker.metrics.refused("too_large");
-            return vec![
-                envoy::immediate(
-                    ApiError::new(
-                        StatusCode::PAYLOAD_TOO_LARGE,
-                        format!(
-                            "request body larger than {} bytes",
-                            self.picker.gw.settings.max_body
-                        ),
-                    )
-                    .into_response(),
-                )
-                .await,
-            ];
+            let too_large = ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!(
+                    "request body larger than {} bytes",
+                    self.picker.gw.settings.max_body
+                ),
+            );
+            return vec![self.refuse(too_large.into_response()).await];
         }
         self.body.extend_from_slice(&body.body);
         if !body.end_of_stream {
             return match self.request_mode {
                 // Buffered mode sends one message; a piece without the end is answered so
                 // the gateway is not kept waiting.
-                BodyMode::Buffered => vec![envoy::body_unchanged(Direction::Request)],
+                BodyMode::Buffered | BodyMode::None => {
+                    vec![envoy::body_unchanged(Direction::Request)]
+                }
                 BodyMode::FullDuplex => Vec::new(),
             };
         }
@@ -198,13 +230,7 @@ impl Exchange {
             path: String::new(),
             headers: Default::default(),
         });
-        let tenant = match gw.keys.admit(crate::access::Need::Client, &head.headers) {
-            Ok(t) => t,
-            Err(e) => {
-                self.picker.metrics.refused("unauthorized");
-                return vec![envoy::immediate(e.into_response()).await];
-            }
-        };
+        let tenant = self.tenant.take();
         let subset = self.subset.take();
         let eligible = |b: &Backend| {
             subset
@@ -236,7 +262,7 @@ impl Exchange {
                         429 => "shed",
                         _ => "no_endpoint",
                     });
-                return vec![envoy::immediate(refusal).await];
+                return vec![self.refuse(refusal).await];
             }
         };
         let Placed {
@@ -280,6 +306,28 @@ impl Exchange {
             .join(",");
         self.picker.metrics.picked(order.len());
         tracing::debug!(endpoints, reason = decision.reason.label(), "picked");
+        if let Some(span) = &self.span {
+            span.set([
+                opentelemetry::KeyValue::new("server.address", backend.url().to_owned()),
+                opentelemetry::KeyValue::new("gen_ai.request.model", model.to_string()),
+                opentelemetry::KeyValue::new("prefix_router.policy", gw.core.policy_name()),
+                opentelemetry::KeyValue::new("prefix_router.reason", decision.reason.label()),
+                opentelemetry::KeyValue::new("prefix_router.index", decision.index),
+            ]);
+        }
+        // The backend's own key, or none: the client's, when this router checks keys, is
+        // this router's and stays here.
+        let mut headers = envoy::PickedHeaders::default();
+        match backend.authorization() {
+            Some(key) => headers.set.push(("authorization", key.as_bytes().to_vec())),
+            None if !gw.keys.is_open() => headers.remove.push("authorization"),
+            None => {}
+        }
+        if let Some(traceparent) = head.headers.get("traceparent") {
+            headers
+                .set
+                .push(("traceparent", traceparent.as_bytes().to_vec()));
+        }
         self.sent = Some(Sent {
             backend,
             guard: Some(guard),
@@ -300,11 +348,14 @@ impl Exchange {
         let mut answers = vec![envoy::picked(
             &endpoints,
             body.as_ref().map(bytes::Bytes::len),
+            headers,
         )];
         if let Some(body) = body {
             match self.request_mode {
                 BodyMode::FullDuplex => answers.extend(envoy::streamed_request_body(body)),
-                BodyMode::Buffered => answers.push(envoy::body_unchanged(Direction::Request)),
+                BodyMode::Buffered | BodyMode::None => {
+                    answers.push(envoy::body_unchanged(Direction::Request))
+                }
             }
         }
         answers
@@ -322,6 +373,13 @@ impl Exchange {
             sent.status = status;
             sent.sse = envoy::header(headers.headers.as_ref(), "content-type")
                 .is_some_and(|ct| ct.starts_with(b"text/event-stream"));
+            if self.response_mode == BodyMode::None {
+                // No body will pass: the request's prefill is over as far as this picker
+                // can tell, and nothing of its timing is learned.
+                if let Some(guard) = &mut sent.guard {
+                    guard.first_byte(false);
+                }
+            }
             if let Some(served) = served {
                 self.picker.served_by(sent, &served).await;
             }
@@ -361,8 +419,16 @@ impl Exchange {
         };
         match mode {
             BodyMode::FullDuplex => envoy::streamed_body(direction, body.body, body.end_of_stream),
-            BodyMode::Buffered => envoy::body_unchanged(direction),
+            BodyMode::Buffered | BodyMode::None => envoy::body_unchanged(direction),
         }
+    }
+
+    /// Answers the request itself with `response` (a refusal), ending its span.
+    async fn refuse(&mut self, response: axum::response::Response) -> ProcessingResponse {
+        if let Some(span) = self.span.take() {
+            span.end(response.status().as_u16());
+        }
+        envoy::immediate(response).await
     }
 
     /// The answer ended (with its own status, or `status` when it did not finish): the
@@ -383,13 +449,19 @@ impl Exchange {
         }
         let gw = &self.picker.gw;
         route::record(gw, &sent.backend, &sent.model, status, sent.received);
+        if let Some(span) = self.span.take() {
+            span.end(status);
+        }
     }
 }
 
 impl Drop for Exchange {
-    /// The stream closed before the answer ended: the client or the gateway gave up.
+    /// The stream closed: before the answer ended (the client or the gateway gave up), or,
+    /// when no response body passes through the picker, after its headers said how it went.
     fn drop(&mut self) {
-        self.end(Some(499));
+        let known = self.response_mode == BodyMode::None
+            && self.sent.as_ref().is_some_and(|s| s.status != 0);
+        self.end(if known { None } else { Some(499) });
     }
 }
 

@@ -10,6 +10,10 @@
 //!
 //! Beside the gRPC service: gRPC health (`liveness`, `readiness` and the ext_proc service's
 //! name) on the same port, and `/metrics` and `/health` over HTTP on `--listen`.
+//!
+//! The gRPC port is bounded like the HTTP one: at most `--max-concurrent` streams at once (one
+//! more is refused with RESOURCE_EXHAUSTED), a stream silent for longer than the request
+//! timeout is closed, and TLS (mutual, with a client CA) is available.
 
 mod envoy;
 mod exchange;
@@ -48,19 +52,68 @@ pub struct EppArgs {
         default_value = "127.0.0.1:9002"
     )]
     pub grpc_listen: SocketAddr,
+    /// Serve gRPC over TLS with this certificate chain (PEM), with `--grpc-tls-key`.
+    #[arg(long, env = "PREFIX_ROUTER_GRPC_TLS_CERT")]
+    pub grpc_tls_cert: Option<std::path::PathBuf>,
+    /// The private key (PEM) of `--grpc-tls-cert`.
+    #[arg(long, env = "PREFIX_ROUTER_GRPC_TLS_KEY")]
+    pub grpc_tls_key: Option<std::path::PathBuf>,
+    /// Require gateways to present a client certificate signed by this CA (PEM): mutual TLS.
+    #[arg(long, env = "PREFIX_ROUTER_GRPC_TLS_CLIENT_CA")]
+    pub grpc_tls_client_ca: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub serve: ServeArgs,
 }
 
 impl EppArgs {
     /// The flags that are the picker's own, not `serve`'s (left out of the config-file merge).
-    pub const OWN_FLAGS: &'static [&'static str] = &["--grpc-listen"];
+    pub const OWN_FLAGS: &'static [&'static str] = &[
+        "--grpc-listen",
+        "--grpc-tls-cert",
+        "--grpc-tls-key",
+        "--grpc-tls-client-ca",
+    ];
+
+    /// The gRPC server's TLS settings, if TLS is asked for.
+    fn tls(&self) -> anyhow::Result<Option<tonic::transport::ServerTlsConfig>> {
+        use anyhow::Context;
+        let read = |flag: &str, path: &std::path::Path| {
+            std::fs::read(path).with_context(|| format!("{flag}: cannot read {}", path.display()))
+        };
+        let (cert, key) = match (&self.grpc_tls_cert, &self.grpc_tls_key) {
+            (None, None) => {
+                anyhow::ensure!(
+                    self.grpc_tls_client_ca.is_none(),
+                    "--grpc-tls-client-ca needs --grpc-tls-cert and --grpc-tls-key"
+                );
+                return Ok(None);
+            }
+            (Some(cert), Some(key)) => (cert, key),
+            _ => anyhow::bail!("--grpc-tls-cert and --grpc-tls-key go together"),
+        };
+        let identity = tonic::transport::Identity::from_pem(
+            read("--grpc-tls-cert", cert)?,
+            read("--grpc-tls-key", key)?,
+        );
+        let mut tls = tonic::transport::ServerTlsConfig::new().identity(identity);
+        if let Some(ca) = &self.grpc_tls_client_ca {
+            tls = tls.client_ca_root(tonic::transport::Certificate::from_pem(read(
+                "--grpc-tls-client-ca",
+                ca,
+            )?));
+        }
+        Ok(Some(tls))
+    }
 }
 
 /// What every stream shares.
 pub(crate) struct Picker {
     gw: Arc<Gateway>,
     metrics: EppMetrics,
+    /// Streams open at once, at most `--max-concurrent`.
+    streams: Arc<tokio::sync::Semaphore>,
+    /// A stream whose gateway sends nothing for this long is closed.
+    idle: Duration,
 }
 
 /// The ext_proc service: one task per stream.
@@ -76,21 +129,33 @@ impl ExternalProcessor for ExtProc {
         &self,
         request: tonic::Request<tonic::Streaming<ProcessingRequest>>,
     ) -> Result<tonic::Response<Self::ProcessStream>, tonic::Status> {
+        let Ok(slot) = self.0.streams.clone().try_acquire_owned() else {
+            self.0.metrics.refused("too_many_streams");
+            return Err(tonic::Status::resource_exhausted(
+                "the endpoint picker has as many streams open as --max-concurrent allows",
+            ));
+        };
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         let picker = self.0.clone();
+        let idle = picker.idle;
         tokio::spawn(async move {
+            let _slot = slot;
             let mut exchange = Exchange::new(picker);
             loop {
                 let message = tokio::select! {
-                    m = inbound.message() => m,
+                    m = tokio::time::timeout(idle, inbound.message()) => m,
                     _ = tx.closed() => break,
                 };
                 let message = match message {
-                    Ok(Some(m)) => m,
-                    Ok(None) => break,
-                    Err(e) => {
+                    Ok(Ok(Some(m))) => m,
+                    Ok(Ok(None)) => break,
+                    Ok(Err(e)) => {
                         tracing::debug!(error = %e, "ext_proc stream ended");
+                        break;
+                    }
+                    Err(_) => {
+                        tracing::debug!(?idle, "ext_proc stream idle for too long: closed");
                         break;
                     }
                 };
@@ -151,11 +216,17 @@ async fn start(
     grpc: TcpListener,
     k8s_client: Option<kube::Client>,
 ) -> anyhow::Result<(Arc<Picker>, impl std::future::Future<Output = ()>)> {
+    let tls = args.tls()?;
     let (gw, metrics) = crate::serve::gateway_with(&args.serve, EppMetrics::register).await?;
     let synced = crate::serve::start_background(&gw, &args.serve, k8s_client).await?;
+    let max_streams = args.serve.limits.max_concurrent.max(1);
     let picker = Arc::new(Picker {
         gw: gw.clone(),
         metrics,
+        streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
+        // The longest a gateway may legitimately say nothing: while a whole answer is
+        // generated (up to the request timeout).
+        idle: args.serve.request_timeout + Duration::from_secs(30),
     });
     let (health, health_service) = tonic_health::server::health_reporter();
     health
@@ -177,11 +248,17 @@ async fn start(
                 .await;
         }
     });
-    let service = ExternalProcessorServer::new(ExtProc(picker.clone()));
-    let router = tonic::transport::Server::builder()
+    let service = ExternalProcessorServer::new(ExtProc(picker.clone()))
+        .max_decoding_message_size(args.serve.max_body + (1 << 20));
+    let mut builder = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .add_service(health_service)
-        .add_service(service);
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .tcp_keepalive(Some(Duration::from_secs(60)))
+        .max_concurrent_streams(Some(u32::try_from(max_streams).unwrap_or(u32::MAX)));
+    if let Some(tls) = tls {
+        builder = builder.tls_config(tls)?;
+    }
+    let router = builder.add_service(health_service).add_service(service);
     // Every answer is a small message the gateway waits for: Nagle would hold it back.
     let incoming = tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true));
     let serve = async move {

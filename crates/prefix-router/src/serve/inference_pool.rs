@@ -133,6 +133,12 @@ pub async fn run(pods: PodWatch, settings: K8sSettings, name: String) {
                         tracing::warn!(error = %e, "could not apply the static backends");
                     }
                 }
+                // The fleet is known: the static backends alone, ready to pick among them if
+                // there are any.
+                if !pods.static_specs.is_empty() {
+                    pods.synced
+                        .store(true, std::sync::atomic::Ordering::Release);
+                }
             }
         }
     }

@@ -25,16 +25,20 @@ pub struct Gateway {
 
 impl Gateway {
     pub async fn open(url: &str) -> Self {
+        Self::try_open(url).await.unwrap()
+    }
+
+    /// Opens a stream, or the status the picker refused it with.
+    pub async fn try_open(url: &str) -> Result<Self, tonic::Status> {
         let mut client = ExternalProcessorClient::connect(url.to_owned())
             .await
             .unwrap();
         let (tx, outbound) = mpsc::channel(16);
         let rx = client
             .process(tokio_stream::wrappers::ReceiverStream::new(outbound))
-            .await
-            .unwrap()
+            .await?
             .into_inner();
-        Self { tx, rx }
+        Ok(Self { tx, rx })
     }
 
     pub async fn send(&self, message: ProcessingRequest) {
