@@ -13,13 +13,15 @@
 //! ```
 //!
 //! Keys are kept only as SHA-256 digests (and never logged); the file is re-read when it
-//! changes, keeping each tenant's bucket and in-flight count across reloads. A refused request
-//! gets 429 with `Retry-After`, and changes nothing.
+//! changes, keeping each tenant's bucket and in-flight count across reloads. A tenant removed
+//! from the file loses its metric series; one removed and added back while its requests still
+//! run is the same tenant again (its bucket and in-flight count hold). A refused request gets
+//! 429 with `Retry-After`, and changes nothing.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI32, AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -162,6 +164,8 @@ pub struct Tenant {
     /// Tokens left and when they were counted.
     bucket: Mutex<(f64, Instant)>,
     inflight: AtomicU64,
+    /// No longer in the keys file (its requests still running count here, not in metrics).
+    retired: AtomicBool,
     metrics: Arc<TenantMetrics>,
 }
 
@@ -178,7 +182,7 @@ pub struct TenantGuard(Arc<Tenant>);
 impl Drop for TenantGuard {
     fn drop(&mut self) {
         self.0.inflight.fetch_sub(1, Relaxed);
-        self.0.metrics.inflight(&self.0.name).dec();
+        self.0.show_inflight();
     }
 }
 
@@ -197,8 +201,38 @@ impl Tenant {
             limits: ArcSwap::from_pointee(limits),
             bucket: Mutex::new((limits.burst, now)),
             inflight: AtomicU64::new(0),
+            retired: AtomicBool::new(false),
             metrics,
         }
+    }
+
+    /// Sets its in-flight gauge to its count (a retired tenant has no series).
+    fn show_inflight(&self) {
+        if !self.retired.load(Relaxed) {
+            self.metrics
+                .inflight(&self.name)
+                .set(self.inflight.load(Relaxed) as i64);
+        }
+    }
+
+    /// Gone from the keys file: its series go (its running requests still end here).
+    fn retire(&self) {
+        self.retired.store(true, Relaxed);
+        for outcome in OUTCOMES {
+            self.metrics.requests.remove(&TenantLabels {
+                tenant: Label(self.name.clone()),
+                outcome,
+            });
+        }
+        self.metrics.inflight.remove(&TenantOnly {
+            tenant: Label(self.name.clone()),
+        });
+    }
+
+    /// Back in the keys file.
+    fn reinstate(&self) {
+        self.retired.store(false, Relaxed);
+        self.show_inflight();
     }
 
     /// The queue priority of its requests.
@@ -211,18 +245,20 @@ impl Tenant {
         let limits = **self.limits.load();
         let outcome = self.try_admit(&limits, now);
         let label = match &outcome {
-            Ok(_) => "admitted",
-            Err(Limited::Rate { .. }) => "rate_limited",
-            Err(Limited::Concurrency) => "concurrency_limited",
+            Ok(_) => OUTCOMES[0],
+            Err(Limited::Rate { .. }) => OUTCOMES[1],
+            Err(Limited::Concurrency) => OUTCOMES[2],
         };
-        self.metrics.requests(&self.name, label).inc();
+        if !self.retired.load(Relaxed) {
+            self.metrics.requests(&self.name, label).inc();
+        }
         outcome
     }
 
     fn try_admit(self: &Arc<Self>, limits: &Limits, now: Instant) -> Result<TenantGuard, Limited> {
         let held = self.inflight.fetch_add(1, Relaxed) + 1;
         let guard = TenantGuard(self.clone());
-        self.metrics.inflight(&self.name).inc();
+        self.show_inflight();
         if limits.max_concurrent.is_some_and(|max| held > max) {
             return Err(Limited::Concurrency);
         }
@@ -253,6 +289,9 @@ impl Tenant {
         }
     }
 }
+
+/// The outcomes of a tenant's requests, as labelled.
+const OUTCOMES: [&str; 3] = ["admitted", "rate_limited", "concurrency_limited"];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct TenantLabels {
@@ -299,8 +338,11 @@ impl TenantMetrics {
 pub struct Tenants {
     path: PathBuf,
     by_key: ArcSwap<HashMap<Digest32, Arc<Tenant>>>,
-    /// Every tenant seen, by name: reloads keep their state.
+    /// Every tenant of the file, by name: reloads keep their state.
     known: Mutex<HashMap<String, Arc<Tenant>>>,
+    /// Tenants removed from the file, while requests of theirs still run: added back, they
+    /// are the same tenant.
+    retired: Mutex<HashMap<String, Weak<Tenant>>>,
     metrics: Arc<TenantMetrics>,
 }
 
@@ -331,6 +373,7 @@ impl Tenants {
             path: path.to_owned(),
             by_key: ArcSwap::from_pointee(HashMap::new()),
             known: Mutex::new(HashMap::new()),
+            retired: Mutex::new(HashMap::new()),
             metrics,
         });
         tenants
@@ -344,16 +387,38 @@ impl Tenants {
         let parsed = parse(&self.path, &text)?;
         let now = Instant::now();
         let mut known = self.known.lock();
+        let mut retired = self.retired.lock();
+        retired.retain(|_, t| t.strong_count() > 0);
         for (name, &(priority, limits)) in &parsed.tenants {
             match known.get(name) {
                 Some(t) => t.update(priority, limits),
                 None => {
-                    let t = Tenant::new(name, priority, limits, self.metrics.clone(), now);
-                    known.insert(name.clone(), Arc::new(t));
+                    let t = match retired.remove(name).and_then(|t| t.upgrade()) {
+                        Some(back) => {
+                            back.update(priority, limits);
+                            back.reinstate();
+                            back
+                        }
+                        None => Arc::new(Tenant::new(
+                            name,
+                            priority,
+                            limits,
+                            self.metrics.clone(),
+                            now,
+                        )),
+                    };
+                    known.insert(name.clone(), t);
                 }
             }
         }
-        known.retain(|name, _| parsed.tenants.contains_key(name));
+        known.retain(|name, t| {
+            let keep = parsed.tenants.contains_key(name);
+            if !keep {
+                t.retire();
+                retired.insert(name.clone(), Arc::downgrade(t));
+            }
+            keep
+        });
         let by_key = parsed
             .keys
             .into_iter()
@@ -515,5 +580,45 @@ mod tests {
         assert_eq!(a.admit(now).err(), Some(Limited::Concurrency));
         drop(first);
         assert!(a.admit(now).is_ok());
+    }
+
+    /// A tenant removed from the file loses its series; added back while a request of its
+    /// still runs, it is the same tenant (its cap counts that request).
+    #[test]
+    fn a_removed_tenant_leaves_the_metrics_and_comes_back_with_its_state() {
+        let path = std::env::temp_dir().join(format!("keys-reload-{}.toml", std::process::id()));
+        let with_a = "[tenants.a]\nkeys = [\"secret-key-a\"]\nmax-concurrent = 1\n[tenants.b]\nkeys = [\"secret-key-b\"]\n";
+        std::fs::write(&path, with_a).unwrap();
+        let mut registry = Registry::default();
+        let t = Tenants::load(&path, &mut registry).unwrap();
+        let text = |registry: &Registry| {
+            let mut out = String::new();
+            prometheus_client::encoding::text::encode(&mut out, registry).unwrap();
+            out
+        };
+        let a = t.identify(b"secret-key-a").unwrap();
+        let running = a.admit(Instant::now()).unwrap();
+        assert!(text(&registry).contains("tenant=\"a\""));
+        std::fs::write(&path, "[tenants.b]\nkeys = [\"secret-key-b\"]\n").unwrap();
+        t.reload().unwrap();
+        assert!(t.identify(b"secret-key-a").is_none());
+        assert!(
+            !text(&registry).contains("tenant=\"a\""),
+            "{}",
+            text(&registry)
+        );
+        std::fs::write(&path, with_a).unwrap();
+        t.reload().unwrap();
+        let back = t.identify(b"secret-key-a").unwrap();
+        assert!(Arc::ptr_eq(&a, &back), "the same tenant");
+        assert_eq!(
+            back.admit(Instant::now()).err(),
+            Some(Limited::Concurrency),
+            "its running request still counts"
+        );
+        drop(running);
+        let _again = back.admit(Instant::now()).unwrap();
+        assert!(text(&registry).contains("prefix_router_tenant_inflight{tenant=\"a\"} 1"));
+        std::fs::remove_file(&path).unwrap();
     }
 }

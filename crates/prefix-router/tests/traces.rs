@@ -183,3 +183,105 @@ async fn a_span_per_request_continues_the_clients_trace_upstream() {
     assert_eq!(ttfts.len(), 1, "one streamed request");
     assert!(ttfts[0] > 0.0);
 }
+
+/// Requests the router refuses (a missing key, an unknown model) are spans too, with their
+/// status; and the span starts when the request arrives, before it waits anywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_requests_are_spans_too() {
+    let seen = Arc::new(Seen::default());
+    let otlp = collector(seen.clone()).await;
+    let vllm = backend(seen.clone()).await;
+    let (r, _) = router(
+        std::slice::from_ref(&vllm),
+        &[
+            "--otlp-endpoint",
+            &otlp,
+            "--otlp-interval",
+            "100ms",
+            "--api-key",
+            "client-key-123",
+        ],
+    )
+    .await;
+    let url = r.url();
+    let client = reqwest::Client::new();
+    let no_key = client
+        .post(format!("{url}/v1/completions"))
+        .json(&json!({"model": "fake-model", "prompt": "hello", "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(no_key.status(), 401);
+    let unknown = client
+        .post(format!("{url}/v1/completions"))
+        .bearer_auth("client-key-123")
+        .json(&json!({"model": "no-such-model", "prompt": "hello", "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unknown.status(), 404);
+    assert!(
+        eventually(10, || async { spans(&seen).len() >= 2 }).await,
+        "the collector received {} spans",
+        spans(&seen).len()
+    );
+    let mut statuses: Vec<String> = spans(&seen)
+        .iter()
+        .map(|s| {
+            attribute(s, "http.response.status_code")
+                .to_string()
+                .trim_matches('"')
+                .to_owned()
+        })
+        .collect();
+    statuses.sort();
+    assert_eq!(statuses, ["401", "404"]);
+}
+
+/// The endpoint picker makes spans too: one per request from its headers on, whose
+/// `traceparent` the pick sets for the backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_endpoint_picker_makes_spans() {
+    use common::envoy::*;
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response;
+    let seen = Arc::new(Seen::default());
+    let otlp = collector(seen.clone()).await;
+    let sims = common::fleet(common::instant(), 1).await;
+    let p = picker(
+        &sims.urls(),
+        &["--otlp-endpoint", &otlp, "--otlp-interval", "100ms"],
+    )
+    .await;
+    let mut gw = Gateway::open(&p.grpc_url()).await;
+    gw.send(request_headers("/v1/completions", None)).await;
+    let body =
+        serde_json::to_vec(&json!({"model": "sim-model", "prompt": "hello", "max_tokens": 1}))
+            .unwrap();
+    gw.send(body_message(true, &body, true)).await;
+    let answer = gw.next().await;
+    let Some(processing_response::Response::RequestHeaders(h)) = &answer.response else {
+        panic!("{answer:?}");
+    };
+    let traceparent = h
+        .response
+        .as_ref()
+        .unwrap()
+        .header_mutation
+        .as_ref()
+        .unwrap()
+        .set_headers
+        .iter()
+        .filter_map(|o| o.header.as_ref())
+        .find(|h| h.key == "traceparent")
+        .map(|h| String::from_utf8(h.raw_value.clone()).unwrap())
+        .expect("the pick continues the trace upstream");
+    drop(gw);
+    assert!(
+        eventually(10, || async { !spans(&seen).is_empty() }).await,
+        "no span from the picker"
+    );
+    let span = spans(&seen).remove(0);
+    assert_eq!(span["name"], "POST /v1/completions");
+    assert!(traceparent.contains(span["spanId"].as_str().unwrap()));
+    assert_eq!(attribute(&span, "prefix_router.policy"), "cost");
+}

@@ -375,11 +375,39 @@ pub fn app(gw: Arc<Gateway>) -> Router {
         .route("/metrics", get(metrics_text))
         .method_not_allowed_fallback(api_error::wrong_method)
         .fallback(api_error::unknown_path)
-        .with_state(gw)
+        .with_state(gw.clone())
         .layer(axum::middleware::from_fn(move |req, next| {
             crate::access::guard(keys.clone(), need, req, next)
         }))
+        .layer(axum::middleware::from_fn(move |req, next| {
+            traced(gw.clone(), req, next)
+        }))
         .layer(CatchPanicLayer::custom(api_error::panic_response))
+}
+
+/// Marks an answer whose body ends the request's span (at its last byte).
+#[derive(Clone, Copy)]
+pub(crate) struct SpanEndsWithBody;
+
+/// Middleware: a trace span for every request sent to the router (POST), from its arrival:
+/// the time spent reading, queueing and tokenizing is in it, and a refusal (401, 404, 429,
+/// 503) is a span too. The request path reads it from the request's extensions.
+async fn traced(gw: Arc<Gateway>, mut req: Request, next: axum::middleware::Next) -> Response {
+    let Some(traces) = gw
+        .traces
+        .as_ref()
+        .filter(|_| req.method() == axum::http::Method::POST)
+    else {
+        return next.run(req).await;
+    };
+    let name = format!("POST {}", req.uri().path());
+    let span = traces.request(name, req.headers_mut());
+    req.extensions_mut().insert(span.clone());
+    let response = next.run(req).await;
+    if response.extensions().get::<SpanEndsWithBody>().is_none() {
+        span.end(response.status().as_u16());
+    }
+    response
 }
 
 /// Starts the background work: monitoring, config file, Kubernetes discovery. The flag turns

@@ -323,9 +323,9 @@ pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Respon
         Err(refusal) => return refusal,
     };
     let decision = &placed.decision;
-    // Its span, when traces are exported: the client's trace continues here and upstream.
-    let span = gw.traces.as_ref().map(|t| {
-        let span = t.request(format!("POST {}", parts.uri.path()), &mut parts.headers);
+    // Its span, started when it arrived (when traces are exported): the client's trace
+    // continues here and upstream.
+    let span = parts.extensions.remove::<RequestSpan>().inspect(|span| {
         span.set([
             KeyValue::new("gen_ai.request.model", placed.model.to_string()),
             KeyValue::new("prefix_router.policy", gw.core.policy_name()),
@@ -336,7 +336,6 @@ pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Respon
                 decision.matched_ratio.unwrap_or(0.0),
             ),
         ]);
-        span
     });
     forward(&gw, parts, body, received, placed, span).await
 }
@@ -476,6 +475,7 @@ async fn forward(
                 };
                 let mut response = proxy::downstream_response(resp, guard, on_end, deadline);
                 response.headers_mut().insert("x-request-id", request_id);
+                response.extensions_mut().insert(super::SpanEndsWithBody);
                 tracing::debug!(backend = backend.url(), attempt, "routed");
                 return response;
             }
