@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 secs=${1:-60}
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 export RUSTC_BOOTSTRAP=1
-for target in ${FUZZ_TARGETS:-request_string chunker index_json serve_json kv_events}; do
+for target in ${FUZZ_TARGETS:-request_string chunker index_json serve_json kv_events zmtp_peer bus_frame}; do
   echo "== $target ($secs s)"
   cargo fuzz run "$target" -- -max_total_time="$secs" -rss_limit_mb=4096 2>&1 | grep -E '^(#[0-9]+.*DONE|Done|==[0-9]+==|SUMMARY|thread .* panicked|artifact)' || true
   if ls "fuzz/artifacts/$target"/crash-* >/dev/null 2>&1; then

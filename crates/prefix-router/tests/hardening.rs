@@ -612,3 +612,72 @@ async fn a_database_outage_degrades_to_load_routing_without_client_errors() {
         .batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
         .await;
 }
+
+/// A hostile KV-event publisher: it greets as PUB and declares a frame of 2^50 bytes (nine
+/// bytes once aborted the router), then does so again on every reconnection. The router
+/// refuses it before reading, counts it, matches that backend by strings, and serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_declaring_huge_frames_is_refused_and_the_router_serves_on() {
+    let listener = tokio::net::TcpListener::bind(SocketAddr::from(LOOPBACK))
+        .await
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut greeting = [0u8; 64];
+                greeting[0] = 0xFF;
+                greeting[9] = 0x7F;
+                greeting[10] = 3;
+                greeting[11] = 1;
+                greeting[12..16].copy_from_slice(b"NULL");
+                let ready = b"\x05READY\x0bSocket-Type\x00\x00\x00\x03PUB";
+                let mut hostile = greeting.to_vec();
+                hostile.extend_from_slice(&[0x04, ready.len() as u8]);
+                hostile.extend_from_slice(ready);
+                hostile.push(0x02);
+                hostile.extend_from_slice(&(1u64 << 50).to_be_bytes());
+                let _ = stream.write_all(&hostile).await;
+                let mut sink = [0u8; 1024];
+                while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
+            });
+        }
+    });
+    let sims = fleet(fast(), 1).await;
+    let r = router(
+        &sims.urls(),
+        &["--kv-events", "--kv-events-port", &port.to_string()],
+    )
+    .await;
+    let url = r.url();
+    let refused =
+        || async { metric(&url, "prefix_router_kv_events_total", "kind=\"refused\"").await >= 1.0 };
+    let mut seen = false;
+    for _ in 0..100 {
+        if refused().await {
+            seen = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(seen, "the hostile publisher was refused");
+    let client = Client::new();
+    for i in 0..5 {
+        let resp = client
+            .post(format!("{url}/v1/completions"))
+            .json(&json!({"model": "sim-model", "prompt": format!("hello {i}"), "max_tokens": 2}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+    }
+    let health: Value = client
+        .get(format!("{url}/health"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(health["healthy_backends"], 1);
+}

@@ -16,8 +16,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
 /// What one connection accepts from its peer.
@@ -114,10 +113,13 @@ fn tcp_address(endpoint: &str) -> Result<(String, u16), ZmtpError> {
     Ok((host.to_owned(), port))
 }
 
+type Reader = BufReader<Box<dyn AsyncRead + Unpin + Send>>;
+type Writer = Box<dyn AsyncWrite + Unpin + Send>;
+
 /// One established connection.
 pub struct Connection {
-    reader: BufReader<OwnedReadHalf>,
-    writer: OwnedWriteHalf,
+    reader: Reader,
+    writer: Writer,
     limits: Limits,
 }
 
@@ -138,17 +140,28 @@ impl Connection {
             let stream = TcpStream::connect((host.as_str(), port)).await?;
             stream.set_nodelay(true)?;
             let (read, write) = stream.into_split();
-            let mut conn = Self {
-                reader: BufReader::new(read),
-                writer: write,
-                limits,
-            };
-            conn.handshake(socket).await?;
-            Ok::<_, ZmtpError>(conn)
+            Self::over(read, write, socket, limits).await
         };
         tokio::time::timeout(timeout, handshake)
             .await
             .map_err(|_| ZmtpError::Timeout(timeout))?
+    }
+
+    /// Completes the handshake over an established byte stream (a TCP connection's halves;
+    /// an in-memory pipe in the fuzz target).
+    pub async fn over(
+        read: impl AsyncRead + Unpin + Send + 'static,
+        write: impl AsyncWrite + Unpin + Send + 'static,
+        socket: SocketType,
+        limits: Limits,
+    ) -> Result<Self, ZmtpError> {
+        let mut conn = Self {
+            reader: BufReader::new(Box::new(read)),
+            writer: Box::new(write),
+            limits,
+        };
+        conn.handshake(socket).await?;
+        Ok(conn)
     }
 
     async fn handshake(&mut self, socket: SocketType) -> Result<(), ZmtpError> {
@@ -375,6 +388,46 @@ mod tests {
     use super::*;
     use tokio::net::TcpListener;
     use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+    /// Whatever a peer sends after a valid handshake, reading ends in messages or an error,
+    /// never a panic or an allocation beyond the limits.
+    #[tokio::test]
+    async fn any_bytes_from_a_peer_end_in_messages_or_an_error() {
+        let mut greeting = [0u8; 64];
+        greeting[0] = 0xFF;
+        greeting[9] = 0x7F;
+        greeting[10] = 3;
+        greeting[12..16].copy_from_slice(b"NULL");
+        let mut ready = command_body(b"READY");
+        property(&mut ready, b"Socket-Type", b"PUB");
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        for round in 0..200 {
+            let mut stream = greeting.to_vec();
+            stream.extend_from_slice(&[FLAG_COMMAND, ready.len() as u8]);
+            stream.extend_from_slice(&ready);
+            for _ in 0..(round % 64) {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                stream.push((seed >> 32) as u8 & if round % 3 == 0 { 0x07 } else { 0xFF });
+            }
+            let (ours, mut theirs) = tokio::io::duplex(1 << 16);
+            theirs.write_all(&stream).await.unwrap();
+            // The peer has said all it will (what this side writes still has room).
+            theirs.shutdown().await.unwrap();
+            let (r, w) = tokio::io::split(ours);
+            let limits = Limits {
+                max_frame: 1 << 10,
+                max_message: 1 << 12,
+                max_frames: 4,
+            };
+            let mut c = Connection::over(r, w, SocketType::Sub, limits)
+                .await
+                .expect("a valid handshake");
+            while c.recv().await.is_ok() {}
+            drop(theirs);
+        }
+    }
 
     #[test]
     fn endpoints_parse() {
