@@ -90,7 +90,7 @@ impl BusMetrics {
         );
         r.register(
             "rejected",
-            "Messages, decisions or first bytes read and not applied: foreign, too_large, compression, malformed, unknown_backend, implausible",
+            "Messages, decisions or first bytes read and not applied: unauthenticated (no valid tag under the fleet's key), stale, replayed, too_many_peers, foreign, too_large, compression, malformed, unknown_backend, implausible",
             m.rejected.clone(),
         );
         r.register(

@@ -263,3 +263,12 @@ pub fn bus_key_file() -> String {
     })
     .clone()
 }
+
+/// A `prefix-router index` on a free loopback port (memory store, the defaults).
+pub async fn index_server() -> Running {
+    let listener = tokio::net::TcpListener::bind(SocketAddr::from(LOOPBACK))
+        .await
+        .unwrap();
+    let args = prefix_router::index::IndexArgs::with_listen(listener.local_addr().unwrap());
+    prefix_router::index::spawn(args, listener).await.unwrap()
+}
