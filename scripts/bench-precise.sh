@@ -2,10 +2,10 @@
 # Precise mode (KV events) against the string index and the oracle, on 8 sims that publish
 # vLLM's KV events and tokenize with the real-vLLM fleet's tokenizer (its random-letter words
 # come to ~1.8 bytes a token, so caches and rates are scaled from the byte-token defaults).
-# Usage: scripts/bench-precise.sh [OUT_DIR]   (default docs/bench/precise; about 20 minutes)
+# Usage: scripts/bench-precise.sh [OUT_DIR]   (default bench-results/precise; about 20 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-docs/bench/precise}"
+out="${1:-bench-results/precise}"
 cargo build --release --quiet
 exe=target/release/prefix-router
 python=$(bash scripts/vllm-venv.sh)

@@ -3,11 +3,11 @@
 # fleet: every system on a real fleet (routers, the three PyPI peers, the oracle following the
 # servers' KV events), then the same on sims with vLLM's tokenizer, block size, cache size and
 # measured speed; then the fidelity table (hit rates and TTFT ordering, sim vs vLLM).
-# Usage: scripts/bench-vllm.sh [OUT_DIR]   (default docs/bench/vllm; about 50 minutes)
+# Usage: scripts/bench-vllm.sh [OUT_DIR]   (default bench-results/vllm; about 50 minutes)
 #   VLLM_SERVERS (default 2), WORKLOADS (default "shared-prefix multi-turn prefix-repetition")
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-docs/bench/vllm}"
+out="${1:-bench-results/vllm}"
 servers="${VLLM_SERVERS:-2}"
 workloads="${WORKLOADS:-shared-prefix multi-turn prefix-repetition}"
 systems="round_robin,least_loaded,prefix_load,prefix_load+events,cost,oracle,sglang-router,smg,vllm-router"

@@ -71,4 +71,4 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "docs/bench/vllm")
+    main(sys.argv[1] if len(sys.argv) > 1 else "bench-results/vllm")

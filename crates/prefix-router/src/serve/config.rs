@@ -555,6 +555,13 @@ fn file_flags(path: &Path) -> anyhow::Result<Vec<String>> {
             other => vec![other],
         };
         for v in values {
+            // A switch is given by its name alone (true) or left out (false).
+            if let toml::Value::Boolean(on) = v {
+                if *on {
+                    argv.push(format!("--{flag}"));
+                }
+                continue;
+            }
             argv.push(format!("--{flag}"));
             argv.push(match v {
                 toml::Value::String(s) => s.clone(),
@@ -631,6 +638,16 @@ api-key = "k"
             .map(|s| s.url)
             .collect();
         assert_eq!(urls, ["http://a:1", "http://c:3"]);
+
+        // Switches are true or false.
+        std::fs::write(
+            &path,
+            "kv-events = true\nforward-priority = false\ntrust_client_headers = true\n",
+        )
+        .unwrap();
+        let args = parse(&["--config", p]).unwrap();
+        assert!(args.kv_events && args.queue.trust_client_headers);
+        assert!(!args.queue.forward_priority);
 
         std::fs::write(&path, "polcy = \"x\"\n").unwrap();
         let err = parse(&["--config", p]).unwrap_err();
