@@ -196,7 +196,9 @@ async fn the_metrics_reference_lists_every_family() {
     let resp = client
         .post(format!("{}/v1/completions", r.url()))
         .bearer_auth("team-key-123")
-        .json(&json!({"model": "sim-model", "prompt": text(1, 500), "max_tokens": 2, "stream": true}))
+        .json(
+            &json!({"model": "sim-model", "prompt": text(1, 500), "max_tokens": 2, "stream": true}),
+        )
         .send()
         .await
         .unwrap();
