@@ -218,3 +218,46 @@ async fn the_metrics_reference_lists_every_family() {
          `_total`): {undocumented:?}"
     );
 }
+
+/// Every relative link of the documentation leads to a file that exists.
+#[test]
+fn the_documentations_links_lead_somewhere() {
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut pages = vec![
+        repo.join("README.md"),
+        repo.join("CONTRIBUTING.md"),
+        repo.join("CHANGELOG.md"),
+        repo.join("deploy/helm/prefix-router/README.md"),
+    ];
+    let mut dirs = vec![repo.join("docs")];
+    while let Some(d) = dirs.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "md") {
+                pages.push(path);
+            }
+        }
+    }
+    let mut broken = Vec::new();
+    for page in &pages {
+        let text = std::fs::read_to_string(page).unwrap();
+        for (at, _) in text.match_indices("](") {
+            let rest = &text[at + 2..];
+            let Some(end) = rest.find(')') else { continue };
+            let target = &rest[..end];
+            if target.starts_with("http")
+                || target.starts_with('#')
+                || target.starts_with("mailto:")
+            {
+                continue;
+            }
+            let file = target.split('#').next().unwrap();
+            if !page.parent().unwrap().join(file).exists() {
+                broken.push(format!("{}: {target}", page.display()));
+            }
+        }
+    }
+    assert!(broken.is_empty(), "links to nothing: {broken:#?}");
+}
