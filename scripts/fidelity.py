@@ -17,7 +17,10 @@ from recorded_requests import load as load_requests, split_by_overlap
 
 def load(path):
     with open(path) as f:
-        return {r["name"]: r for r in json.load(f) if not r.get("skipped")}
+        results = json.load(f)
+    # {"meta", "systems"}: each system with the figures of its median round.
+    systems = results["systems"] if isinstance(results, dict) else results
+    return {r["name"]: r for r in systems if not r.get("skipped")}
 
 
 def rank(results):

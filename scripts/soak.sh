@@ -61,7 +61,7 @@ run() {  # run LABEL ARGS...: one bench run; prints its summary, fails on any er
   local label=$1; shift
   local out="target/soak-$label"
   $bin bench run --url "$router" "${sim_args[@]}" --out "$out" "$@" >/dev/null
-  python3 -c "import json,sys; r=json.load(open('$out/results.json'))[0]; print(f\"  {r['requests']} requests, {r['errors']} errors, {r['throughput_rps']:.0f} req/s, TTFT p50 {r['ttft_p50_ms']:.1f} ms p99 {r['ttft_p99_ms']:.1f} ms\"); sys.exit(1 if r['errors'] else 0)"
+  python3 -c "import json,sys; r=json.load(open('$out/results.json'))['systems'][0]; print(f\"  {r['requests']} requests, {r['errors']} errors, {r['throughput_rps']:.0f} req/s, TTFT p50 {r['ttft_p50_ms']:.1f} ms p99 {r['ttft_p99_ms']:.1f} ms\"); sys.exit(1 if r['errors'] else 0)"
 }
 
 idle_fds=$(fds); idle_rss=$(rss_kb)

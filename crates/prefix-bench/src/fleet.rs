@@ -195,6 +195,40 @@ impl BenchFleet {
         }
     }
 
+    /// Waits (at most `limit`) until no server has a request running or waiting: what the last
+    /// system left behind is done before the next one is measured.
+    pub async fn wait_idle(&self, client: &reqwest::Client, limit: std::time::Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let mut busy = 0.0;
+            for url in &self.urls {
+                let Ok(resp) = client.get(format!("{url}/metrics")).send().await else {
+                    continue;
+                };
+                let Ok(text) = resp.text().await else {
+                    continue;
+                };
+                busy += text
+                    .lines()
+                    .filter(|l| {
+                        l.starts_with("vllm:num_requests_running")
+                            || l.starts_with("vllm:num_requests_waiting")
+                    })
+                    .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                    .sum::<f64>();
+            }
+            if busy == 0.0 || tokio::time::Instant::now() >= deadline {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Whether the servers are this process's own simulators (they can be started afresh).
+    pub fn is_own_sims(&self) -> bool {
+        matches!(self.owned, Owned::Sims(_))
+    }
+
     pub async fn set_time_scale(&self, client: &reqwest::Client, scale: f64) -> anyhow::Result<()> {
         self.post_all(client, "/sim/config", json!({ "time_scale": scale }))
             .await

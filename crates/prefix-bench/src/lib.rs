@@ -4,8 +4,10 @@
 
 pub mod driver;
 pub mod fleet;
+pub mod meta;
 pub mod oracle;
 pub mod report;
+pub mod rounds;
 pub mod stats;
 pub mod systems;
 pub mod vllm_fleet;
@@ -21,6 +23,7 @@ use serde_json::json;
 use driver::{Arrivals, Driven, Target};
 use fleet::BenchFleet;
 use report::{Figures, SystemResult};
+pub use rounds::SystemSummary;
 use systems::{LaunchContext, System};
 use workload::{Job, WorkloadArgs, WorkloadKind};
 
@@ -93,9 +96,14 @@ pub struct CompareArgs {
     pub fleet: String,
     #[command(flatten)]
     pub vllm: vllm_fleet::VllmFleetArgs,
-    /// Start this many sim servers in this process.
+    /// Start this many sim servers in this process (afresh for every system: nothing one
+    /// system leaves in a server meets the next).
     #[arg(long, default_value_t = 8)]
     pub sim_servers: usize,
+    /// Run every system this many times, the order rotated each round; figures are reported as
+    /// medians over the rounds with 95 % intervals, and ratios between systems round by round.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=100))]
+    pub rounds: u64,
     /// Use sim servers already running instead (repeatable).
     #[arg(long)]
     pub sim_url: Vec<String>,
@@ -366,6 +374,7 @@ async fn measure(
     client: &reqwest::Client,
     system: System,
     launched: &systems::Launched,
+    out: &Path,
 ) -> anyhow::Result<Figures> {
     let target = || match &launched.oracle {
         Some(o) => Target::Oracle(o.clone()),
@@ -393,7 +402,7 @@ async fn measure(
     )
     .await;
     let counters = fleet.counters(client).await?.since(&before);
-    report::write_requests(&args.out, system.name(), &driven.samples)?;
+    report::write_requests(out, system.name(), &driven.samples)?;
     let mut figures = report::figures(&driven.samples, &counters, driven.wall.as_secs_f64());
     if ours {
         let routers_after = scrape_all(client, &launched.urls).await;
@@ -482,17 +491,16 @@ fn fleet_time_scale(args: &CompareArgs) -> anyhow::Result<f64> {
     Ok(fleet::sim_config(&args.sim_args)?.time_scale)
 }
 
-/// `prefix-router bench compare`.
-pub async fn compare(
-    mut args: CompareArgs,
-    router_exe: PathBuf,
-) -> anyhow::Result<Vec<SystemResult>> {
-    let client = driver::client();
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("cannot create {}", args.out.display()))?;
-    // This comparison's per-request records replace the last one's.
-    let _ = std::fs::remove_dir_all(args.out.join("requests"));
-    let fleet = if args.fleet == "vllm" {
+/// What a comparison found: where it ran, each round's results, and the summary over rounds.
+pub struct Comparison {
+    pub meta: meta::RunMeta,
+    pub rounds: Vec<Vec<SystemResult>>,
+    pub summaries: Vec<rounds::SystemSummary>,
+}
+
+/// The servers a comparison runs on, as its arguments ask.
+async fn start_fleet(args: &mut CompareArgs) -> anyhow::Result<BenchFleet> {
+    Ok(if args.fleet == "vllm" {
         if args.workload.model == workload::DEFAULT_MODEL {
             args.workload.model = vllm_fleet::MODEL.to_owned();
         }
@@ -511,7 +519,45 @@ pub async fn compare(
         BenchFleet::start(args.sim_servers, fleet::sim_config(&args.sim_args)?).await?
     } else {
         BenchFleet::attach(args.sim_url.clone())
-    };
+    })
+}
+
+/// Writes the comparison so far: `results.json` (where it ran, and per system the median
+/// round's figures, the intervals, the ratios and every round), `results.md`, `chart.svg`.
+fn write_comparison(out: &Path, c: &Comparison, title: &str) -> anyhow::Result<()> {
+    std::fs::create_dir_all(out)?;
+    std::fs::write(
+        out.join("results.json"),
+        serde_json::to_string_pretty(&json!({"meta": c.meta, "systems": c.summaries}))? + "\n",
+    )?;
+    let medians: Vec<SystemResult> = c
+        .summaries
+        .iter()
+        .map(|s| SystemResult {
+            name: s.name.clone(),
+            workload: s.workload.clone(),
+            skipped: s.skipped,
+            reason: s.reason.clone(),
+            figures: s.figures.clone(),
+        })
+        .collect();
+    let mut md = rounds::markdown(&c.summaries, c.rounds.len());
+    md.push_str("\nThe median round of each system:\n\n");
+    md.push_str(&report::markdown(&medians));
+    md.push_str(&report::classes_markdown(&medians));
+    std::fs::write(out.join("results.md"), md)?;
+    std::fs::write(out.join("chart.svg"), report::svg_chart(&medians, title))?;
+    Ok(())
+}
+
+/// `prefix-router bench compare`.
+pub async fn compare(mut args: CompareArgs, router_exe: PathBuf) -> anyhow::Result<Comparison> {
+    let client = driver::client();
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("cannot create {}", args.out.display()))?;
+    // This comparison's per-request records replace the last one's.
+    let _ = std::fs::remove_dir_all(args.out.join("requests"));
+    let mut fleet = start_fleet(&mut args).await?;
     let systems: Vec<System> = if args.systems.is_empty() {
         systems::ALL.to_vec()
     } else {
@@ -520,8 +566,23 @@ pub async fn compare(
             .map(|s| System::parse(s))
             .collect::<anyhow::Result<_>>()?
     };
+    let rounds = args.rounds as usize;
+    let fleet_name = format!(
+        "{} {} servers",
+        fleet.urls.len(),
+        if fleet.is_vllm() { "vLLM" } else { "sim" }
+    );
+    let meta = meta::RunMeta::collect(
+        &client,
+        fleet_name.clone(),
+        &fleet.urls,
+        fleet.is_vllm(),
+        &args.peers_venv,
+        rounds,
+    )
+    .await;
 
-    let ctx = LaunchContext {
+    let mut ctx = LaunchContext {
         router_exe,
         sims: fleet.urls.clone(),
         kv_events: fleet.kv_events.clone(),
@@ -548,60 +609,84 @@ pub async fn compare(
         router_log: args.router_log.clone(),
     };
     let workload = workload_name(&args.workload);
-    let mut results = Vec::new();
-    for system in systems {
-        let mut result = SystemResult {
-            name: system.name().into(),
-            workload: workload.clone(),
-            ..SystemResult::default()
+    let title = format!("{workload}: {fleet_name}");
+    let mut comparison = Comparison {
+        meta,
+        rounds: Vec::new(),
+        summaries: Vec::new(),
+    };
+    let mut fresh = true;
+    for round in 0..rounds {
+        let out = if rounds > 1 {
+            args.out.join(format!("round-{}", round + 1))
+        } else {
+            args.out.clone()
         };
-        match ctx.launch(&client, system).await {
-            Err(systems::Skipped(reason)) => {
-                eprintln!("{:>22}: skipped ({reason})", system.name());
-                result.skipped = true;
-                result.reason = Some(reason);
+        comparison.rounds.push(Vec::new());
+        for system in rounds::rotated(&systems, round) {
+            // Every system meets servers as the first one did: our own sims started afresh
+            // (nothing left in a cache, a queue or a connection pool), other servers emptied
+            // and idle.
+            if !fresh {
+                if fleet.is_own_sims() {
+                    fleet.shutdown().await;
+                    fleet = start_fleet(&mut args).await?;
+                    ctx.use_fleet(&fleet);
+                } else {
+                    fleet.wait_idle(&client, Duration::from_secs(60)).await;
+                }
             }
-            Ok(launched) => {
-                let measured = measure(&args, &fleet, &client, system, &launched).await;
-                launched.stop().await;
-                match measured {
-                    Ok(f) => {
-                        eprintln!(
-                            "{:>22}: hit rate {:.3}, TTFT mean {:.1} ms, p99 {:.1} ms, errors {}",
-                            system.name(),
-                            f.hit_rate,
-                            f.ttft_mean_ms,
-                            f.ttft_p99_ms,
-                            f.errors
-                        );
-                        result.figures = Some(f);
-                    }
-                    Err(e) => {
-                        result.skipped = true;
-                        result.reason = Some(format!("the run failed: {e:#}"));
+            fresh = false;
+            let mut result = SystemResult {
+                name: system.name().into(),
+                workload: workload.clone(),
+                ..SystemResult::default()
+            };
+            match ctx.launch(&client, system).await {
+                Err(systems::Skipped(reason)) => {
+                    eprintln!("{:>22}: skipped ({reason})", system.name());
+                    result.skipped = true;
+                    result.reason = Some(reason);
+                }
+                Ok(launched) => {
+                    let measured = measure(&args, &fleet, &client, system, &launched, &out).await;
+                    launched.stop().await;
+                    match measured {
+                        Ok(f) => {
+                            eprintln!(
+                                "{:>22}: hit rate {:.3}, TTFT mean {:.1} ms, p99 {:.1} ms, errors {}{}",
+                                system.name(),
+                                f.hit_rate,
+                                f.ttft_mean_ms,
+                                f.ttft_p99_ms,
+                                f.errors,
+                                if rounds > 1 {
+                                    format!(" (round {})", round + 1)
+                                } else {
+                                    String::new()
+                                }
+                            );
+                            result.figures = Some(f);
+                        }
+                        Err(e) => {
+                            result.skipped = true;
+                            result.reason = Some(format!("the run failed: {e:#}"));
+                        }
                     }
                 }
             }
+            comparison.rounds.last_mut().expect("a round").push(result);
+            comparison.summaries = rounds::summarize(&comparison.rounds);
+            write_comparison(&args.out, &comparison, &title)?;
         }
-        results.push(result);
-        report::write(
-            &args.out,
-            &results,
-            &format!(
-                "{workload}: {} {} servers",
-                fleet.urls.len(),
-                if fleet.is_vllm() { "vLLM" } else { "sim" }
-            ),
-        )?;
     }
     fleet.shutdown().await;
     println!(
-        "{}{}",
-        report::markdown(&results),
-        report::classes_markdown(&results)
+        "{}",
+        std::fs::read_to_string(args.out.join("results.md")).unwrap_or_default()
     );
     println!("results in {}", args.out.display());
-    Ok(results)
+    Ok(comparison)
 }
 
 /// `prefix-router bench run`.
@@ -632,7 +717,22 @@ pub async fn run_one(args: RunArgs) -> anyhow::Result<Figures> {
         ..SystemResult::default()
     };
     if let Some(out) = &args.out {
-        report::write(out, std::slice::from_ref(&result), &args.url)?;
+        let meta = meta::RunMeta::collect(
+            &client,
+            format!("{} behind {}", args.sim_url.len(), args.url),
+            &args.sim_url,
+            false,
+            Path::new(""),
+            1,
+        )
+        .await;
+        let rounds = vec![vec![result.clone()]];
+        let comparison = Comparison {
+            meta,
+            summaries: rounds::summarize(&rounds),
+            rounds,
+        };
+        write_comparison(out, &comparison, &args.url)?;
     }
     println!("{}", report::markdown(&[result]));
     if let Some(e) = driven.samples.iter().find_map(|s| s.error.as_ref()) {
@@ -654,7 +754,7 @@ pub async fn run(args: BenchArgs, router_exe: PathBuf) -> anyhow::Result<()> {
 
 /// `prefix-router demo`: a small fleet, a short shared-prefix workload under round robin and
 /// the default policy (cost), and the table.
-pub async fn demo(router_exe: &Path, out: PathBuf) -> anyhow::Result<Vec<SystemResult>> {
+pub async fn demo(router_exe: &Path, out: PathBuf) -> anyhow::Result<Comparison> {
     use clap::Parser;
     #[derive(Parser)]
     struct C {

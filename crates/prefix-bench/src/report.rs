@@ -378,20 +378,6 @@ pub fn write_requests(dir: &Path, system: &str, samples: &[Sample]) -> anyhow::R
     std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))
 }
 
-pub fn write(dir: &Path, results: &[SystemResult], title: &str) -> anyhow::Result<()> {
-    std::fs::create_dir_all(dir)?;
-    std::fs::write(
-        dir.join("results.json"),
-        serde_json::to_string_pretty(results)? + "\n",
-    )?;
-    std::fs::write(
-        dir.join("results.md"),
-        markdown(results) + &classes_markdown(results),
-    )?;
-    std::fs::write(dir.join("chart.svg"), svg_chart(results, title))?;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -138,6 +138,19 @@ pub struct LaunchContext {
     pub router_log: String,
 }
 
+impl LaunchContext {
+    /// The servers to launch systems against, from `fleet` (a fleet started afresh has new
+    /// addresses).
+    pub fn use_fleet(&mut self, fleet: &crate::fleet::BenchFleet) {
+        self.sims = fleet.urls.clone();
+        self.kv_events = fleet.kv_events.clone();
+        self.kv_replay = fleet.kv_replay.clone();
+        self.block_size = fleet.block_size;
+        self.cache_tokens = fleet.cache_tokens;
+        self.tokenizer = fleet.tokenizer.clone();
+    }
+}
+
 /// A running system.
 pub struct Launched {
     /// Where its clients send requests (several for router replicas).

@@ -98,13 +98,13 @@ pub struct WorkloadArgs {
     /// multi-turn: users (conversations).
     #[arg(long, default_value_t = 32)]
     pub users: usize,
-    /// multi-turn: rounds per user.
+    /// multi-turn: turns per user.
     #[arg(long, default_value_t = 8)]
-    pub rounds: usize,
-    /// multi-turn: tokens of each user's own history before the first round.
+    pub turns: usize,
+    /// multi-turn: tokens of each user's own history before the first turn.
     #[arg(long, default_value_t = 1024)]
     pub history_len: usize,
-    /// multi-turn: answer tokens per round.
+    /// multi-turn: answer tokens per turn.
     #[arg(long, default_value_t = 128)]
     pub answer_len: usize,
     /// prefix-repetition: prefix tokens.
@@ -309,7 +309,7 @@ pub fn jobs(args: &WorkloadArgs) -> anyhow::Result<Vec<Job>> {
                             json!({"role": "user", "content": history}),
                             json!({"role": "assistant", "content": "Understood."}),
                         ],
-                        questions: (0..args.rounds as u64)
+                        questions: (0..args.turns as u64)
                             .map(|r| text(seed ^ (u + 1) << 28 ^ (r + 1) << 48, args.question_len))
                             .collect(),
                         answer_len: args.answer_len,
@@ -428,11 +428,11 @@ pub fn read_mooncake(path: &Path) -> anyhow::Result<Vec<MooncakeLine>> {
     read_jsonl(path)
 }
 
-/// The body of turn `round` of a conversation (its messages so far plus the next question).
-pub fn turn_body(args: &WorkloadArgs, conv: &Conversation, round: usize) -> Value {
+/// The body of turn `turn` of a conversation (its messages so far plus the next question).
+pub fn turn_body(args: &WorkloadArgs, conv: &Conversation, turn: usize) -> Value {
     let stream = !args.no_stream;
     let mut messages = conv.messages.clone();
-    messages.push(json!({"role": "user", "content": conv.questions[round]}));
+    messages.push(json!({"role": "user", "content": conv.questions[turn]}));
     let mut body = match args.api {
         Api::Chat => json!({"model": args.model, "messages": messages}),
         Api::Completions => {
@@ -593,7 +593,7 @@ mod tests {
             "multi-turn",
             "--users",
             "2",
-            "--rounds",
+            "--turns",
             "3",
             "--system-len",
             "10",

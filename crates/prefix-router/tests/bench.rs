@@ -54,16 +54,32 @@ async fn a_small_comparison_ranks_prefix_routing_above_round_robin() {
         &out_s,
         "--write-trace",
         &trace_s,
+        "--rounds",
+        "2",
     ])
     .args;
     let results = prefix_bench::compare(args, env!("CARGO_BIN_EXE_prefix-router").into())
         .await
         .unwrap();
-    assert_eq!(results.len(), 4);
+    assert_eq!(results.summaries.len(), 4);
+    assert_eq!(results.rounds.len(), 2);
+    // The second round starts one system further.
+    let order =
+        |r: usize| -> Vec<&str> { results.rounds[r].iter().map(|s| s.name.as_str()).collect() };
+    assert_eq!(order(0), ["round_robin", "prefix_load", "oracle", "smg"]);
+    assert_eq!(order(1), ["prefix_load", "oracle", "smg", "round_robin"]);
     let json: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    // Where it came from.
+    let meta = &json["meta"];
+    assert!(meta["cores"].as_u64().unwrap() >= 1, "{meta}");
+    assert!(!meta["command"].as_str().unwrap().is_empty());
+    assert_eq!(meta["rounds"], 2);
+    assert_eq!(meta["fleet"], "3 sim servers");
+    assert!(meta["commit"].is_string() || meta["commit"].is_null());
     let by_name = |name: &str| {
-        json.as_array()
+        json["systems"]
+            .as_array()
             .unwrap()
             .iter()
             .find(|r| r["name"] == name)
@@ -110,12 +126,19 @@ async fn a_small_comparison_ranks_prefix_routing_above_round_robin() {
         "{pl} vs {rr}"
     );
     assert!(pl["router_added_p50_ms"].is_number());
+    // Every round's figures, the intervals over them, and the ratios round by round.
+    assert_eq!(pl["rounds"].as_array().unwrap().len(), 2);
+    let interval = &pl["ttft_mean_ms_interval"];
+    assert!(interval["low"].as_f64().unwrap() <= interval["median"].as_f64().unwrap());
+    assert_eq!(pl["vs_oracle"]["against"], "oracle");
+    assert!(pl["vs_best_ours"]["ttft_mean"]["median"].is_number());
+    assert!(out.join("round-2/requests/prefix_load.jsonl").exists());
     assert!(std::fs::read_to_string(out.join("chart.svg"))
         .unwrap()
         .contains("<svg"));
-    assert!(std::fs::read_to_string(out.join("results.md"))
-        .unwrap()
-        .contains("| prefix_load |"));
+    let md = std::fs::read_to_string(out.join("results.md")).unwrap();
+    assert!(md.contains("| prefix_load |"), "{md}");
+    assert!(md.contains("Medians over 2 round(s)"), "{md}");
 
     // The trace of what was sent replays against a sim.
     let sim = vllm_sim::Fleet::start(
@@ -142,6 +165,7 @@ async fn a_small_comparison_ranks_prefix_routing_above_round_robin() {
     ])
     .args;
     let figures = prefix_bench::run_one(run).await.unwrap();
+    // The trace holds what the last system sent (one round's 54 requests).
     assert_eq!((figures.requests, figures.errors), (54, 0));
     // One server: every group's prompt is cached after its first request.
     assert!(figures.hit_rate > 0.5, "{}", figures.hit_rate);
