@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use indicatif::ProgressBar;
 use parking_lot::Mutex;
 use serde_json::{json, Value};
@@ -192,17 +192,37 @@ impl Shared {
                 futures_util::future::join_all(sends).await;
             }
             Job::Conversation(mut conv) => {
-                for round in 0..conv.questions.len() {
+                let no_headers = &BTreeMap::new();
+                for turn in 0..conv.questions.len() {
+                    if turn > 0 {
+                        if let Some(&think) = conv.think.get(turn) {
+                            tokio::time::sleep(Duration::from_secs_f64(think.max(0.0))).await;
+                        }
+                    }
                     if self.past_deadline() {
                         return;
                     }
-                    let body = workload::turn_body(&self.args, &conv, round);
-                    let (sample, answer) = self.send(self.args.api, &body, &BTreeMap::new()).await;
+                    let question = conv.questions[turn].clone();
+                    let body = workload::turn_body(&self.args, &conv, &question);
+                    let retry = conv.retries.get(turn).and_then(Option::as_ref).map(|r| {
+                        let body = workload::turn_body(&self.args, &conv, &r.question);
+                        let after = Duration::from_secs_f64(r.after.max(0.0));
+                        async move {
+                            tokio::time::sleep(after).await;
+                            self.send(self.args.api, &body, no_headers).await;
+                        }
+                    });
+                    let turn_itself = self.send(self.args.api, &body, no_headers);
+                    let ((sample, answer), ()) = futures_util::future::join(
+                        turn_itself,
+                        futures_util::future::OptionFuture::from(retry).map(|_| ()),
+                    )
+                    .await;
                     if !sample.ok {
                         return;
                     }
                     conv.messages
-                        .push(json!({"role": "user", "content": conv.questions[round]}));
+                        .push(json!({"role": "user", "content": question}));
                     conv.messages
                         .push(json!({"role": "assistant", "content": answer}));
                 }
@@ -387,13 +407,7 @@ pub async fn drive(
         Arrivals::Poisson(_) | Arrivals::Trace => {
             let times: Vec<f64> = match arrivals {
                 Arrivals::Poisson(rate) => poisson_times(jobs.len(), rate, args.seed),
-                _ => jobs
-                    .iter()
-                    .map(|j| match j {
-                        Job::Single(item) => item.t.unwrap_or(0.0),
-                        Job::Conversation(_) | Job::Burst(_) => 0.0,
-                    })
-                    .collect(),
+                _ => jobs.iter().map(|j| j.start().unwrap_or(0.0)).collect(),
             };
             let tasks: Vec<_> = jobs
                 .into_iter()

@@ -9,6 +9,7 @@ pub mod oracle;
 pub mod report;
 pub mod rounds;
 pub mod stats;
+pub mod suite;
 pub mod systems;
 pub mod vllm_fleet;
 pub mod workload;
@@ -39,6 +40,9 @@ pub enum BenchCommand {
     Run(Box<RunArgs>),
     /// The same workload against every system, on one fleet.
     Compare(Box<CompareArgs>),
+    /// Every workload of the suite compared over rounds, and the regret table: per workload,
+    /// the default policy against the best of our policies and the best peer.
+    Suite(Box<suite::SuiteArgs>),
     /// Starts real vLLM servers (CPU build, tiny model, real tokenizer) and waits for Ctrl-C.
     VllmFleet {
         #[command(flatten)]
@@ -52,7 +56,8 @@ pub enum BenchCommand {
 #[derive(clap::Args, Debug, Clone)]
 pub struct LoadArgs {
     /// Poisson arrivals at this rate (requests/s; for multi-turn, new conversations/s).
-    /// Default: 60 shared-prefix, 4 multi-turn, 20 prefix-repetition, 40 random.
+    /// Default: 60 shared-prefix, 4 multi-turn, 20 prefix-repetition, 40 random, 20 rag; the
+    /// agent workload keeps its own times (`--session-rate`, `--speedup`).
     #[arg(long)]
     pub qps: Option<f64>,
     /// Closed loop with this many clients instead of Poisson arrivals.
@@ -173,6 +178,9 @@ fn default_qps(kind: WorkloadKind) -> f64 {
         WorkloadKind::Random | WorkloadKind::Trace | WorkloadKind::Mooncake => 40.0,
         WorkloadKind::Bursty => 4.0,
         WorkloadKind::Overload => 20.0,
+        // Sets its own times (--session-rate).
+        WorkloadKind::Agent => 0.0,
+        WorkloadKind::Rag => 20.0,
     }
 }
 
@@ -182,12 +190,17 @@ fn arrivals(w: &WorkloadArgs, load: &LoadArgs) -> Arrivals {
         (None, WorkloadKind::Trace | WorkloadKind::Mooncake) if load.qps.is_none() => {
             Arrivals::Trace
         }
+        (None, WorkloadKind::Agent) => Arrivals::Trace,
         (None, kind) => Arrivals::Poisson(load.qps.unwrap_or_else(|| default_qps(kind))),
     }
 }
 
 /// The workload's jobs, cut to `--requests`.
 fn limited_jobs(w: &WorkloadArgs, load: &LoadArgs) -> anyhow::Result<Vec<Job>> {
+    anyhow::ensure!(
+        !(w.workload == WorkloadKind::Agent && load.qps.is_some()),
+        "the agent workload keeps its own times: set its load with --session-rate or --speedup, not --qps"
+    );
     let mut jobs = workload::jobs(w)?;
     if let Some(limit) = load.requests {
         let mut total = 0;
@@ -746,6 +759,7 @@ pub async fn run(args: BenchArgs, router_exe: PathBuf) -> anyhow::Result<()> {
     match args.command {
         BenchCommand::Run(a) => run_one(*a).await.map(|_| ()),
         BenchCommand::Compare(a) => compare(*a, router_exe).await.map(|_| ()),
+        BenchCommand::Suite(a) => suite::suite(*a, router_exe).await.map(|_| ()),
         BenchCommand::VllmFleet { fleet, work_dir } => {
             vllm_fleet::serve_fleet(fleet, work_dir).await
         }

@@ -35,6 +35,17 @@ pub enum WorkloadKind {
     /// `--tenants` tenants (`x-tenant`; the first sends half of them): run it above the fleet's
     /// capacity.
     Overload,
+    /// Agent sessions: `--sessions` sessions, each under one of `--tool-specs` long tool
+    /// specifications (a few popular, most rare), taking `--min-turns` to `--max-turns` turns
+    /// whose history grows by every answer, a `--retry-share` of turns followed shortly by a
+    /// retry branch on the same history, and a `--one-off-share` of unrelated one-off prompts
+    /// between them. Times are the workload's own (`--session-rate`, tool time between turns),
+    /// run `--speedup` times faster.
+    Agent,
+    /// Retrieval-augmented generation: each request is a short question after `--top-k`
+    /// documents drawn from `--documents` long ones (a few popular, most rare), behind one
+    /// shared instruction.
+    Rag,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
@@ -122,7 +133,8 @@ pub struct WorkloadArgs {
     /// random and overload: requests in the workload.
     #[arg(long, default_value_t = 1024)]
     pub random_count: usize,
-    /// mooncake: time runs this many times faster than the trace's.
+    /// mooncake and agent: time runs this many times faster than the trace's or the workload's
+    /// own (the agent workload's load level).
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
     /// mooncake: tokens of text each hash id becomes (the trace's blocks hold 512). Input and
@@ -142,6 +154,39 @@ pub struct WorkloadArgs {
     /// overload: the share of high-priority requests.
     #[arg(long, default_value_t = 0.2)]
     pub high_share: f64,
+    /// agent: sessions.
+    #[arg(long, default_value_t = 32)]
+    pub sessions: usize,
+    /// agent: new sessions per second (Poisson, before `--speedup`).
+    #[arg(long, default_value_t = 1.6)]
+    pub session_rate: f64,
+    /// agent: distinct tool specifications; session i uses spec k with probability ∝ 1/(k+1).
+    #[arg(long, default_value_t = 8)]
+    pub tool_specs: usize,
+    /// agent: tokens of each tool specification.
+    #[arg(long, default_value_t = 3000)]
+    pub tool_spec_len: usize,
+    /// agent: fewest turns of a session.
+    #[arg(long, default_value_t = 4)]
+    pub min_turns: usize,
+    /// agent: most turns of a session.
+    #[arg(long, default_value_t = 9)]
+    pub max_turns: usize,
+    /// agent: the share of turns followed 50 ms later by a retry branch on the same history.
+    #[arg(long, default_value_t = 0.25)]
+    pub retry_share: f64,
+    /// agent: the share of all requests that are unrelated one-off prompts.
+    #[arg(long, default_value_t = 0.18)]
+    pub one_off_share: f64,
+    /// rag: documents.
+    #[arg(long, default_value_t = 64)]
+    pub documents: usize,
+    /// rag: mean tokens of a document (each is 0.5 to 1.5 times it).
+    #[arg(long, default_value_t = 2000)]
+    pub document_len: usize,
+    /// rag: documents retrieved for each question (distinct; popular ones first more often).
+    #[arg(long, default_value_t = 3)]
+    pub top_k: usize,
 }
 
 /// Tokens of one Mooncake hash id.
@@ -171,12 +216,27 @@ pub struct TraceItem {
     pub headers: std::collections::BTreeMap<String, String>,
 }
 
-/// A conversation of the multi-turn workload: its later turns depend on the answers.
-#[derive(Clone, Debug)]
+/// A conversation (multi-turn) or an agent session: its later turns depend on the answers.
+#[derive(Clone, Debug, Default)]
 pub struct Conversation {
     pub messages: Vec<Value>,
     pub questions: Vec<String>,
     pub answer_len: usize,
+    /// Seconds from the run's start to its first turn (agent sessions; otherwise the arrival
+    /// process decides).
+    pub start: Option<f64>,
+    /// Seconds between an answer and the next turn (an agent's tool running); none if empty.
+    pub think: Vec<f64>,
+    /// Per turn, a retry branch sent shortly after it, on the same history.
+    pub retries: Vec<Option<Retry>>,
+}
+
+/// A retry branch of an agent's turn: the same history with another last message, sent
+/// `after` seconds after the turn itself; its answer is not kept.
+#[derive(Clone, Debug)]
+pub struct Retry {
+    pub after: f64,
+    pub question: String,
 }
 
 /// What the driver sends.
@@ -193,8 +253,17 @@ impl Job {
     pub fn requests(&self) -> usize {
         match self {
             Job::Single(_) => 1,
-            Job::Conversation(c) => c.questions.len(),
+            Job::Conversation(c) => c.questions.len() + c.retries.iter().flatten().count(),
             Job::Burst(items) => items.len(),
+        }
+    }
+
+    /// Seconds from the run's start to the job, if the workload sets it.
+    pub fn start(&self) -> Option<f64> {
+        match self {
+            Job::Single(item) => item.t,
+            Job::Conversation(c) => c.start,
+            Job::Burst(_) => None,
         }
     }
 }
@@ -256,6 +325,30 @@ fn shuffle<T>(items: &mut [T], seed: u64) {
     }
 }
 
+/// A uniform number in [0, 1) from `seed`.
+fn unit(seed: u64) -> f64 {
+    (splitmix(seed) >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// An index in `0..n` drawn with probability ∝ 1/(i+1) (Zipf with exponent 1): a few popular
+/// items, a long tail of rare ones.
+fn zipf(n: usize, u: f64) -> usize {
+    let total: f64 = (1..=n).map(|i| 1.0 / i as f64).sum();
+    let mut acc = 0.0;
+    for i in 0..n {
+        acc += 1.0 / (i + 1) as f64 / total;
+        if u < acc {
+            return i;
+        }
+    }
+    n.saturating_sub(1)
+}
+
+/// A length between `lo` and `hi` tokens (inclusive) drawn from `seed`.
+fn length(seed: u64, lo: usize, hi: usize) -> usize {
+    lo + (splitmix(seed) % (hi.max(lo) - lo + 1) as u64) as usize
+}
+
 /// The workload's jobs, in arrival order.
 pub fn jobs(args: &WorkloadArgs) -> anyhow::Result<Vec<Job>> {
     let seed = args.seed;
@@ -313,6 +406,7 @@ pub fn jobs(args: &WorkloadArgs) -> anyhow::Result<Vec<Job>> {
                             .map(|r| text(seed ^ (u + 1) << 28 ^ (r + 1) << 48, args.question_len))
                             .collect(),
                         answer_len: args.answer_len,
+                        ..Conversation::default()
                     })
                 })
                 .collect()
@@ -363,6 +457,8 @@ pub fn jobs(args: &WorkloadArgs) -> anyhow::Result<Vec<Job>> {
                 )
             })
             .collect(),
+        WorkloadKind::Agent => agent_jobs(args)?,
+        WorkloadKind::Rag => rag_jobs(args)?,
         WorkloadKind::Overload => (0..args.random_count as u64)
             .map(|i| {
                 let prompt = text(seed ^ (i + 1) << 32 ^ 0x0E, args.input_len);
@@ -385,6 +481,140 @@ pub fn jobs(args: &WorkloadArgs) -> anyhow::Result<Vec<Job>> {
             })
             .collect(),
     })
+}
+
+/// Agent sessions (see [`WorkloadKind::Agent`]) and one-off prompts, each with its start time.
+fn agent_jobs(args: &WorkloadArgs) -> anyhow::Result<Vec<Job>> {
+    anyhow::ensure!(args.speedup > 0.0, "--speedup must be positive");
+    anyhow::ensure!(args.session_rate > 0.0, "--session-rate must be positive");
+    anyhow::ensure!(args.tool_specs > 0, "--tool-specs must be positive");
+    anyhow::ensure!(
+        (1..=args.max_turns).contains(&args.min_turns),
+        "--min-turns must be between 1 and --max-turns"
+    );
+    anyhow::ensure!(
+        (0.0..1.0).contains(&args.one_off_share) && (0.0..=1.0).contains(&args.retry_share),
+        "--one-off-share must be in [0, 1) and --retry-share in [0, 1]"
+    );
+    let seed = args.seed ^ 0xA6E7;
+    let specs: Vec<String> = (0..args.tool_specs as u64)
+        .map(|k| text(seed ^ (k + 1) << 36, args.tool_spec_len))
+        .collect();
+    let starts = crate::driver::poisson_times(args.sessions, args.session_rate, seed);
+    let mut jobs = Vec::new();
+    let mut session_requests = 0usize;
+    let mut last_start = 0.0f64;
+    for (i, at) in starts.into_iter().enumerate() {
+        let i = i as u64;
+        let s = seed ^ (i + 1) << 20;
+        let spec = &specs[zipf(specs.len(), unit(s ^ 1))];
+        let turns = length(s ^ 2, args.min_turns, args.max_turns);
+        // The task that opens the session, then per turn a tool's result.
+        let task = text(s ^ 3, length(s ^ 4, 64, 256));
+        let questions: Vec<String> = (0..turns as u64)
+            .map(|t| text(s ^ (t + 1) << 44, length(s ^ (t + 1) << 44 ^ 5, 64, 512)))
+            .collect();
+        let think = (0..turns as u64)
+            .map(|t| (0.3 + 1.2 * unit(s ^ (t + 1) << 44 ^ 6)) / args.speedup)
+            .collect();
+        let retries: Vec<Option<Retry>> = (0..turns as u64)
+            .map(|t| {
+                (unit(s ^ (t + 1) << 44 ^ 7) < args.retry_share).then(|| Retry {
+                    after: 0.050 / args.speedup,
+                    question: text(
+                        s ^ (t + 1) << 44 ^ 8,
+                        length(s ^ (t + 1) << 44 ^ 9, 64, 512),
+                    ),
+                })
+            })
+            .collect();
+        session_requests += turns + retries.iter().flatten().count();
+        let start = at / args.speedup;
+        last_start = last_start.max(start);
+        jobs.push(Job::Conversation(Conversation {
+            messages: vec![
+                json!({"role": "system", "content": spec}),
+                json!({"role": "user", "content": task}),
+                json!({"role": "assistant", "content": "Planning the steps."}),
+            ],
+            questions,
+            answer_len: length(s ^ 10, 16, 128),
+            start: Some(start),
+            think,
+            retries,
+        }));
+    }
+    // One-offs: a share of all requests, spread evenly (Poisson) over the sessions' span.
+    let one_offs = (session_requests as f64 * args.one_off_share / (1.0 - args.one_off_share))
+        .round() as usize;
+    let span = last_start.max(1.0 / args.speedup) + 8.0 / args.speedup;
+    let times = crate::driver::poisson_times(one_offs, one_offs as f64 / span, seed ^ 0x0FF);
+    for (j, t) in times.into_iter().enumerate() {
+        let j = j as u64;
+        let prompt = text(
+            seed ^ (j + 1) << 30 ^ 0x0FF,
+            length(seed ^ j ^ 0x0F1, 256, 2048),
+        );
+        jobs.push(Job::Single(TraceItem {
+            t: Some(t),
+            endpoint: args.api,
+            body: body(args, "", &prompt, length(seed ^ j ^ 0x0F2, 16, 256)),
+            headers: Default::default(),
+        }));
+    }
+    jobs.sort_by(|a, b| {
+        a.start()
+            .unwrap_or(0.0)
+            .total_cmp(&b.start().unwrap_or(0.0))
+    });
+    Ok(jobs)
+}
+
+/// RAG requests (see [`WorkloadKind::Rag`]).
+fn rag_jobs(args: &WorkloadArgs) -> anyhow::Result<Vec<Job>> {
+    anyhow::ensure!(args.documents > 0, "--documents must be positive");
+    anyhow::ensure!(
+        (1..=args.documents).contains(&args.top_k),
+        "--top-k must be between 1 and --documents"
+    );
+    let seed = args.seed ^ 0x7A6;
+    let instruction = text(seed, 200);
+    let documents: Vec<String> = (0..args.documents as u64)
+        .map(|d| {
+            let len = length(
+                seed ^ d ^ 0xD0C,
+                args.document_len / 2,
+                args.document_len * 3 / 2,
+            );
+            text(seed ^ (d + 1) << 32, len)
+        })
+        .collect();
+    Ok((0..args.random_count as u64)
+        .map(|i| {
+            let s = seed ^ (i + 1) << 40;
+            let mut picked: Vec<usize> = Vec::with_capacity(args.top_k);
+            let mut draw = 0u64;
+            while picked.len() < args.top_k {
+                let d = zipf(documents.len(), unit(s ^ draw));
+                draw += 1;
+                if !picked.contains(&d) {
+                    picked.push(d);
+                }
+            }
+            let mut user = String::new();
+            for d in picked {
+                user.push_str(&documents[d]);
+                user.push_str("\n\n");
+            }
+            user.push_str(&text(s ^ 0x0A, length(s ^ 0x0B, 16, 96)));
+            Job::Single(TraceItem {
+                t: None,
+                endpoint: args.api,
+                body: body(args, &instruction, &user, args.output_len),
+                headers: Default::default(),
+            })
+        })
+        .collect())
 }
 
 /// A length in the trace's tokens, in tokens of blocks of `block_tokens` (rounded up, so a
@@ -428,11 +658,11 @@ pub fn read_mooncake(path: &Path) -> anyhow::Result<Vec<MooncakeLine>> {
     read_jsonl(path)
 }
 
-/// The body of turn `turn` of a conversation (its messages so far plus the next question).
-pub fn turn_body(args: &WorkloadArgs, conv: &Conversation, turn: usize) -> Value {
+/// The body of a conversation's next turn: its messages so far plus `question`.
+pub fn turn_body(args: &WorkloadArgs, conv: &Conversation, question: &str) -> Value {
     let stream = !args.no_stream;
     let mut messages = conv.messages.clone();
-    messages.push(json!({"role": "user", "content": conv.questions[turn]}));
+    messages.push(json!({"role": "user", "content": question}));
     let mut body = match args.api {
         Api::Chat => json!({"model": args.model, "messages": messages}),
         Api::Completions => {
@@ -606,9 +836,143 @@ mod tests {
         let Job::Conversation(c) = &jobs[0] else {
             panic!()
         };
-        let b0 = turn_body(&a, c, 0);
+        let b0 = turn_body(&a, c, &c.questions[0]);
         assert_eq!(b0["messages"].as_array().unwrap().len(), 4);
         assert_eq!(jobs.iter().map(Job::requests).sum::<usize>(), 6);
+    }
+
+    #[test]
+    fn agent_sessions_have_their_shape() {
+        let a = args(&["--workload", "agent", "--sessions", "400"]);
+        let jobs = jobs(&a).unwrap();
+        let sessions: Vec<&Conversation> = jobs
+            .iter()
+            .filter_map(|j| match j {
+                Job::Conversation(c) => Some(c),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(sessions.len(), 400);
+        // Arrival order, and deterministic.
+        assert!(jobs
+            .windows(2)
+            .all(|w| w[0].start().unwrap() <= w[1].start().unwrap()));
+        assert_eq!(
+            jobs_requests(&jobs),
+            jobs_requests(&super::jobs(&a).unwrap())
+        );
+        let turns: Vec<usize> = sessions.iter().map(|c| c.questions.len()).collect();
+        assert!(turns.iter().all(|t| (4..=9).contains(t)));
+        assert!(turns.contains(&4) && turns.contains(&9));
+        // A quarter of the turns have a retry, 50 ms later.
+        let total_turns: usize = turns.iter().sum();
+        let retries: Vec<&Retry> = sessions
+            .iter()
+            .flat_map(|c| c.retries.iter().flatten())
+            .collect();
+        let share = retries.len() as f64 / total_turns as f64;
+        assert!((0.21..0.29).contains(&share), "{share}");
+        assert!(retries.iter().all(|r| (r.after - 0.05).abs() < 1e-9));
+        // 18 % of all requests are one-offs.
+        let all: usize = jobs.iter().map(Job::requests).sum();
+        let one_offs = jobs.iter().filter(|j| matches!(j, Job::Single(_))).count();
+        let share = one_offs as f64 / all as f64;
+        assert!((0.17..0.19).contains(&share), "{share}");
+        // Tool specs: the most popular takes about 1/H(8) = 37 % of the sessions, all are used.
+        let mut by_spec = std::collections::HashMap::<String, usize>::new();
+        for c in &sessions {
+            let spec = c.messages[0]["content"].as_str().unwrap().to_owned();
+            assert_eq!(spec.len(), 3000 * BYTES_PER_TOKEN);
+            *by_spec.entry(spec).or_default() += 1;
+        }
+        assert_eq!(by_spec.len(), 8);
+        let top = *by_spec.values().max().unwrap() as f64 / 400.0;
+        assert!((0.30..0.45).contains(&top), "{top}");
+        // Sessions arrive at --session-rate; --speedup runs the same sessions faster.
+        let last = sessions
+            .iter()
+            .map(|c| c.start.unwrap())
+            .fold(0.0, f64::max);
+        assert!(
+            (400.0 / 1.2 * 0.85..400.0 / 1.2 * 1.15).contains(&last),
+            "{last}"
+        );
+        let fast = super::jobs(&args(&[
+            "--workload",
+            "agent",
+            "--sessions",
+            "400",
+            "--speedup",
+            "4",
+        ]))
+        .unwrap();
+        let Job::Conversation(c) = fast
+            .iter()
+            .find(|j| matches!(j, Job::Conversation(_)))
+            .unwrap()
+        else {
+            unreachable!()
+        };
+        assert!((c.start.unwrap() * 4.0 - sessions[0].start.unwrap()).abs() < 1e-9);
+        assert_eq!(c.questions, sessions[0].questions);
+        assert!((c.think[1] * 4.0 - sessions[0].think[1]).abs() < 1e-9);
+    }
+
+    #[test]
+    fn agent_rejects_nonsense() {
+        for bad in [
+            ["--min-turns", "0"],
+            ["--max-turns", "2"],
+            ["--one-off-share", "1"],
+            ["--speedup", "0"],
+            ["--tool-specs", "0"],
+        ] {
+            let mut argv = vec!["--workload", "agent"];
+            argv.extend(bad);
+            assert!(jobs(&args(&argv)).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn rag_questions_follow_distinct_documents() {
+        let a = args(&[
+            "--workload",
+            "rag",
+            "--random-count",
+            "2000",
+            "--document-len",
+            "100",
+        ]);
+        let jobs = jobs(&a).unwrap();
+        assert_eq!(jobs.len(), 2000);
+        let mut first = std::collections::HashMap::<String, usize>::new();
+        for j in &jobs {
+            let user = prompt(single(j));
+            let parts: Vec<&str> = user.split("\n\n").collect();
+            // Three documents and the question.
+            assert_eq!(parts.len(), 4);
+            let docs: std::collections::HashSet<&str> = parts[..3].iter().copied().collect();
+            assert_eq!(docs.len(), 3);
+            for d in &parts[..3] {
+                assert!((50 * BYTES_PER_TOKEN..=150 * BYTES_PER_TOKEN).contains(&d.len()));
+            }
+            *first.entry(parts[0].to_owned()).or_default() += 1;
+        }
+        // Popular documents lead more often: the top one about 1/H(64) = 21 % of the time.
+        let top = *first.values().max().unwrap() as f64 / 2000.0;
+        assert!((0.16..0.27).contains(&top), "{top}");
+        assert!(first.len() > 32);
+        assert!(super::jobs(&args(&["--workload", "rag", "--top-k", "65"])).is_err());
+    }
+
+    fn jobs_requests(jobs: &[Job]) -> Vec<String> {
+        jobs.iter()
+            .map(|j| match j {
+                Job::Single(t) => t.body.to_string(),
+                Job::Conversation(c) => format!("{:?}{:?}", c.questions, c.start),
+                Job::Burst(b) => format!("{}", b.len()),
+            })
+            .collect()
     }
 
     fn single(job: &Job) -> &TraceItem {
