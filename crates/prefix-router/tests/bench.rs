@@ -218,3 +218,47 @@ async fn streamed_completions_without_usage_count_their_output() {
     sim.shutdown().await;
     let _ = std::fs::remove_file(trace);
 }
+
+/// The agent workload end to end: every session's turns, its retry branches and the one-offs are
+/// sent, and a session's later turns hit the history its earlier ones left (one server).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_sessions_send_every_turn_retry_and_one_off() {
+    let sim = vllm_sim::Fleet::start(
+        vllm_sim::SimConfig {
+            time_scale: 0.0,
+            ..vllm_sim::SimConfig::default()
+        },
+        1,
+        std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+    )
+    .await
+    .unwrap();
+    let url = sim.urls()[0].clone();
+    let run = Run::parse_from([
+        "run",
+        "--url",
+        &url,
+        "--sim-url",
+        &url,
+        "--workload",
+        "agent",
+        "--sessions",
+        "6",
+        "--tool-spec-len",
+        "300",
+        "--speedup",
+        "50",
+    ])
+    .args;
+    let expected: usize = prefix_bench::workload::jobs(&run.workload)
+        .unwrap()
+        .iter()
+        .map(prefix_bench::workload::Job::requests)
+        .sum();
+    assert!(expected > 6 * 4, "{expected}");
+    let figures = prefix_bench::run_one(run).await.unwrap();
+    assert_eq!((figures.requests, figures.errors), (expected, 0));
+    // One server holds every spec and history: most of every prompt after the first is cached.
+    assert!(figures.hit_rate > 0.6, "{}", figures.hit_rate);
+    sim.shutdown().await;
+}
