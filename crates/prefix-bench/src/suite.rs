@@ -16,17 +16,22 @@ use crate::{compare, CompareArgs};
 /// The policy every deployment gets unless it asks for another.
 pub const DEFAULT_POLICY: &str = "cost";
 
-/// The systems the suite compares unless told: our plain policies and the peers.
+/// The systems the suite compares unless told: our plain policies (`round_robin` aside, which
+/// `least_loaded` beats everywhere) and the peers.
 pub const SUITE_SYSTEMS: &str =
-    "cost,prefix,prefix_load,least_loaded,round_robin,vllm-router,sglang-router,smg";
+    "cost,prefix,prefix_load,least_loaded,vllm-router,sglang-router,smg";
 
 /// The workloads of the suite and the `bench compare` flags each one runs with. Every one is
-/// the generator's defaults but for the load level (the agent workload at low and high load)
-/// and the Mooncake trace's scale (its 512-token blocks as 64 tokens, ten times faster, the
+/// the generator's defaults but for the load level (the agent workload at low load, and eight
+/// times as fast with five times the sessions, where balancing starts to pay) and the Mooncake
+/// trace's scale (its 512-token blocks as 64 tokens, ten times faster, the
 /// first 1,000 requests: the trace's sharing and arrival pattern at 8 sims' size).
 pub const WORKLOADS: &[(&str, &[&str])] = &[
     ("agent", &["--workload", "agent"]),
-    ("agent-high", &["--workload", "agent", "--speedup", "3"]),
+    (
+        "agent-high",
+        &["--workload", "agent", "--speedup", "8", "--sessions", "160"],
+    ),
     ("rag", &["--workload", "rag"]),
     ("multi-turn", &["--workload", "multi-turn"]),
     ("shared-prefix", &["--workload", "shared-prefix"]),

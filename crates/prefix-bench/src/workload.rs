@@ -158,7 +158,7 @@ pub struct WorkloadArgs {
     #[arg(long, default_value_t = 32)]
     pub sessions: usize,
     /// agent: new sessions per second (Poisson, before `--speedup`).
-    #[arg(long, default_value_t = 1.6)]
+    #[arg(long, default_value_t = 2.0)]
     pub session_rate: f64,
     /// agent: distinct tool specifications; session i uses spec k with probability ∝ 1/(k+1).
     #[arg(long, default_value_t = 8)]

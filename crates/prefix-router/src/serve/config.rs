@@ -39,7 +39,7 @@ pub struct ServeArgs {
     #[arg(long, env = "PREFIX_ROUTER_CACHE_THRESHOLD", default_value_t = 0.5)]
     pub cache_threshold: f64,
     /// prefix_load and cost: the load guard trips when the matched backend has more requests in flight
-    /// above the least loaded one than 1.5 times the fleet's mean load per backend (at least 1,
+    /// above the least loaded one than 1.5 times the fleet's mean load per backend (at least 6,
     /// at most this many)...
     #[arg(long, env = "PREFIX_ROUTER_BALANCE_ABS", default_value_t = 16)]
     pub balance_abs: u64,

@@ -286,10 +286,11 @@ mod tests {
     #[test]
     fn a_backend_far_above_the_fleets_load_is_tried_after_the_others() {
         // Backend 0 holds a shared system prompt and nothing waits there, so it is the cheapest;
-        // but it carries 6 conversations decoding against 1 elsewhere (their next turns will
-        // come back to it): the guard (margin 1.5 × the mean of 2.67) sends the request away.
+        // but it carries 9 conversations decoding against 1 elsewhere (their next turns will
+        // come back to it): the guard (margin max(1.5 × the mean of 3.67, MIN_MARGIN)) sends the
+        // request away.
         let mut r = matched(fleet(3), &[2000, 0, 0]);
-        r[0].inflight = 6;
+        r[0].inflight = 9;
         r[1].inflight = 1;
         r[2].inflight = 1;
         let c = cost().choose(&r, &known(2100, 0));
@@ -305,14 +306,14 @@ mod tests {
                 Reason::LoadGuard
             );
         }
-        // Within the margin (4 against 1): the match wins as before.
-        r[0].inflight = 4;
+        // Within the margin (6 against 1): the match wins as before.
+        r[0].inflight = 6;
         let c = cost().choose(&r, &known(2100, 0));
         assert_eq!((c.order[0], c.reason), (0, Reason::CostHit));
         // Siblings still waiting for their first byte there do not trip it (a burst stays whole).
-        r[0].inflight = 6;
-        r[0].waiting_first_byte = 6;
-        r[0].queued_prefill_tokens = 600;
+        r[0].inflight = 9;
+        r[0].waiting_first_byte = 9;
+        r[0].queued_prefill_tokens = 900;
         assert_eq!(cost().choose(&r, &known(2100, 0)).order[0], 0);
     }
 

@@ -78,16 +78,30 @@ impl LoadGuard {
 }
 
 /// How many requests (per unit of weight) the matched backend may carry above the least loaded
-/// before the guard trips: one and a half times the fleet's mean load, at least one request and
-/// at most `balance_abs` (1.5: at 1× the sims' prefix-repetition lost 3 points of hit rate and
-/// doubled its p90 TTFT; at 1.5× it kept them, and multi-turn kept most of the gain). A fixed margin fits one load only: at a few requests per backend (a
+/// before the guard trips: one and a half times the fleet's mean load, at least
+/// [`MIN_MARGIN`] and at most `balance_abs` (1.5: at 1× the sims' prefix-repetition lost 3
+/// points of hit rate and doubled its p90 TTFT; at 1.5× it kept them, and multi-turn kept most
+/// of the gain). A fixed margin fits one load only: at a few requests per backend (a
 /// multi-turn chat fleet) a margin of 16 lets one backend gather every conversation that
 /// shares a system prompt (imbalance 4.25 on the sims), while at a dozen per backend (a busy
 /// shared-prefix fleet) a margin of 2 sends requests away from their prefix at every ripple.
 pub fn guard_margin(rows: &[CandidateRow], balance_abs: u64) -> f64 {
     let mean = rows.iter().map(per_weight).sum::<f64>() / rows.len().max(1) as f64;
-    (1.5 * mean).clamp(1.0, (balance_abs as f64).max(1.0))
+    let most = (balance_abs as f64).max(1.0);
+    (1.5 * mean).clamp(MIN_MARGIN.min(most), most)
 }
+
+/// The fewest requests (per unit of weight) the guard lets a backend carry above the least
+/// loaded, however light the fleet's load. With one, at low load a backend with two sessions
+/// decoding against an idle one tripped the guard, and their next turns were sent away to
+/// compute their whole history again: on the sims' agent workload (about 10 requests/s on 8
+/// servers) 45 of the 48 hits `cost` gave away were the guard's, and its mean TTFT was 1.26×
+/// `prefix`'s, though no queue had formed anywhere. A few sessions' decoding sequences delay
+/// no prefill; the margin grows past six with the load (multi-turn's mean alone makes it six).
+/// Measured, two rounds each, agent at its default and at three times its rate, multi-turn:
+/// a floor of 3 left `cost` at 1.13× and 1.11× `prefix` on agent; 4 at 1.04× and 1.04×; 6 at
+/// 1.00× and 0.97×, multi-turn unchanged (34.2–35.3 ms against 35.7 with 1).
+pub const MIN_MARGIN: f64 = 6.0;
 
 /// The matched backend's requests still waiting for their first byte (per unit of weight, at
 /// most `balance_abs`), which the guard lets it carry above the least loaded whatever the
@@ -139,8 +153,9 @@ mod tests {
         let c = policy().choose(&r, &known(10, 0));
         assert_eq!((c.order[0], c.reason), (1, Reason::CacheHit));
         assert_eq!(c.order.len(), 3, "every backend appears once");
-        // Two above, with the others idle: the guard trips (it used to wait for balance_abs).
-        r[1].inflight = 2;
+        // Three above, with the others idle: beyond the margin (MIN_MARGIN, capped at
+        // balance_abs 2), the guard trips.
+        r[1].inflight = 3;
         assert_eq!(policy().choose(&r, &known(10, 0)).reason, Reason::LoadGuard);
     }
 
@@ -148,7 +163,7 @@ mod tests {
     fn siblings_waiting_to_be_prefilled_do_not_split_a_burst() {
         // A burst of four siblings: the first went to idle backend 1, the others match there.
         let mut r = matched(rows(2), &[0, 9]);
-        for sent in 1..=3 {
+        for sent in 1..=7 {
             r[1].inflight = sent;
             r[1].waiting_first_byte = sent;
             let c = policy_with(16).choose(&r, &known(10, 0));
@@ -158,8 +173,8 @@ mod tests {
                 "{sent} waiting"
             );
         }
-        // The same three once they decode: ordinary load, three above the least loaded against
-        // the fleet's margin of 2.25, and the guard trips as before.
+        // The same seven once they decode: ordinary load, seven above the least loaded against
+        // the margin of MIN_MARGIN, and the guard trips as before.
         r[1].waiting_first_byte = 0;
         assert_eq!(
             policy_with(16).choose(&r, &known(10, 0)).reason,
@@ -198,7 +213,8 @@ mod tests {
     #[test]
     fn the_guards_margin_follows_the_fleets_mean_load_within_bounds() {
         let mut r = rows(4);
-        assert_eq!(guard_margin(&r, 16), 1.0, "at least one request");
+        assert_eq!(guard_margin(&r, 16), MIN_MARGIN, "at least MIN_MARGIN");
+        assert_eq!(guard_margin(&r, 2), 2.0, "but never above balance_abs");
         for (i, n) in [2, 4, 6, 8].into_iter().enumerate() {
             r[i].inflight = n;
         }
