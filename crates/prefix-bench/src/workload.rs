@@ -894,7 +894,7 @@ mod tests {
             .map(|c| c.start.unwrap())
             .fold(0.0, f64::max);
         assert!(
-            (400.0 / 1.2 * 0.85..400.0 / 1.2 * 1.15).contains(&last),
+            (400.0 / 2.0 * 0.85..400.0 / 2.0 * 1.15).contains(&last),
             "{last}"
         );
         let fast = super::jobs(&args(&[
