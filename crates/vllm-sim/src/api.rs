@@ -25,6 +25,8 @@ pub struct Server {
     pub engine: Arc<Engine>,
     /// Distinguishes this server's response ids from its neighbours'.
     pub name: Arc<str>,
+    /// Where it listens (named to decode servers as the place to pull blocks from).
+    pub addr: std::net::SocketAddr,
     started: u64,
     next_id: Arc<AtomicU64>,
 }
@@ -36,13 +38,19 @@ fn unix_now() -> u64 {
 }
 
 impl Server {
-    pub fn new(engine: Arc<Engine>, name: &str) -> Self {
+    pub fn new(engine: Arc<Engine>, addr: std::net::SocketAddr) -> Self {
         Self {
             engine,
-            name: name.into(),
+            name: addr.port().to_string().into(),
+            addr,
             started: unix_now(),
             next_id: Arc::default(),
         }
+    }
+
+    /// Its engine id in the KV-transfer protocol.
+    fn engine_id(&self) -> String {
+        format!("sim-{}", self.name)
     }
 
     fn next_id(&self, prefix: &str) -> String {
@@ -198,11 +206,13 @@ async fn generate(server: Server, headers: HeaderMap, body: Bytes, endpoint: End
     } else {
         match run.to_end().await {
             Ok(choices) => {
+                let kv_transfer_params = run.produced_kv();
                 let mut answer = Json(openai::full_response(
                     &run.req,
                     &run.id,
                     run.created,
                     &choices,
+                    kv_transfer_params,
                 ))
                 .into_response();
                 answer.extensions_mut().insert(Counted);
@@ -242,11 +252,14 @@ impl Run {
         let answer = tokens::answer(prompt, engine.config.seed, &self.req.limits, text.words());
         let mut sequence = prompt.to_vec();
         sequence.extend(answer.word_indexes.iter().map(|&i| text.word_id(i)));
+        let block_hashes = block_hashes(&sequence, engine.config.block_size);
+        let external_tokens = self.pull(&block_hashes, prompt, &sequence).await;
         let job = Job {
-            block_hashes: block_hashes(&sequence, engine.config.block_size),
+            block_hashes,
             prompt_tokens: prompt.len(),
             total_tokens: sequence.len(),
             tokens: sequence.into(),
+            external_tokens,
         };
         let admitted = engine
             .submit(job)
@@ -275,21 +288,93 @@ impl Run {
         })
     }
 
-    /// Real time at which token `k` (0-based) of a started choice is out.
-    fn token_time(&self, started: &Started, k: usize) -> Instant {
-        started.admitted.first_token_at
-            + self
-                .server
-                .engine
-                .real(k as f64 * self.server.engine.config.itl_ms / 1000.0)
+    /// A decode after a remote prefill: pulls the prompt's blocks the prefill named and this
+    /// server lacks (the handshake with a new peer, then their bytes), and caches them.
+    /// Returns the tokens pulled (None for any other request).
+    async fn pull(
+        &self,
+        hashes: &[u64],
+        prompt: &[TokenId],
+        sequence: &[TokenId],
+    ) -> Option<usize> {
+        let crate::disagg::Transfer::FromRemotePrefill {
+            engine_id,
+            block_ids,
+        } = &self.req.transfer
+        else {
+            return None;
+        };
+        let engine = &self.server.engine;
+        let block_size = engine.config.block_size;
+        let prompt_blocks = &hashes[..(prompt.len() / block_size).min(hashes.len())];
+        let carried = crate::disagg::carried(prompt_blocks, block_ids);
+        let held = engine.probe(&prompt_blocks[..carried], carried * block_size) / block_size;
+        let pulled = (carried - held.min(carried)) * block_size;
+        let first = engine.peers.first_contact(engine_id);
+        let secs = crate::disagg::pull_secs(&engine.config, pulled, first);
+        if engine.time_scale() > 0.0 && secs > 0.0 {
+            tokio::time::sleep(engine.real(secs)).await;
+        }
+        engine.receive(&prompt_blocks[..carried], sequence);
+        Some(pulled)
+    }
+
+    /// The `kv_transfer_params` of this request's whole answer: for a prefill asked for a
+    /// remote decode, where its blocks are.
+    fn produced_kv(&self) -> Value {
+        if self.req.transfer != crate::disagg::Transfer::ForRemoteDecode {
+            return Value::Null;
+        }
+        let block_size = self.server.engine.config.block_size;
+        let prompt = &self.req.prompts[0];
+        let hashes = block_hashes(prompt, block_size);
+        crate::disagg::produced(
+            &self.server.engine_id(),
+            self.server.addr,
+            &hashes[..prompt.len() / block_size],
+            prompt.len(),
+        )
+    }
+
+    /// Waits until the token due at `due` is out: decode runs every `--itl-ms`, but a token due
+    /// while this server computes a prefill step comes out when that step ends.
+    async fn emit_at(&self, due: Instant) -> Instant {
+        let engine = &self.server.engine;
+        if engine.time_scale() <= 0.0 {
+            return due;
+        }
+        tokio::time::sleep_until(due.into()).await;
+        let mut at = due;
+        loop {
+            let delay = engine.decode_delay(at);
+            if delay.is_zero() {
+                return at;
+            }
+            at += delay;
+            tokio::time::sleep_until(at.into()).await;
+        }
+    }
+
+    /// The real time between two tokens.
+    fn itl(&self) -> Duration {
+        self.server
+            .engine
+            .real(self.server.engine.config.itl_ms / 1000.0)
     }
 
     /// Gives the choice's seat and blocks back; [`Run::record`] counts it once it is answered.
-    fn finish(&self, started: Started) -> ChoiceOutcome {
+    /// `last_token_at`: when its last token came out.
+    fn finish(&self, started: Started, last_token_at: Instant) -> ChoiceOutcome {
         let n = started.words.len();
         let finish_reason = if started.stopped { "stop" } else { "length" };
-        let e2e_secs = started.admitted.ttft_secs
-            + n.saturating_sub(1) as f64 * self.server.engine.config.itl_ms / 1000.0;
+        let engine = &self.server.engine;
+        let decode_secs = if engine.time_scale() > 0.0 {
+            engine
+                .simulated(last_token_at.saturating_duration_since(started.admitted.first_token_at))
+        } else {
+            n.saturating_sub(1) as f64 * engine.config.itl_ms / 1000.0
+        };
+        let e2e_secs = started.admitted.ttft_secs + decode_secs;
         let cached_tokens = started.admitted.cached_tokens;
         started.admitted.lease.finish(started.prompt_tokens + n);
         ChoiceOutcome {
@@ -334,11 +419,12 @@ impl Run {
             let mut outcomes = Vec::with_capacity(self.req.prompts.len());
             for prompt in &self.req.prompts {
                 let started = self.start(prompt).await?;
-                let last = self.token_time(&started, started.words.len().saturating_sub(1));
-                if self.server.engine.time_scale() > 0.0 {
-                    tokio::time::sleep_until(last.into()).await;
+                let mut at = started.admitted.first_token_at;
+                for k in 0..started.words.len() {
+                    let due = if k == 0 { at } else { at + self.itl() };
+                    at = self.emit_at(due).await;
                 }
-                outcomes.push(self.finish(started));
+                outcomes.push(self.finish(started, at));
             }
             // Counted only once every choice is done: a kill before this point drops the whole
             // answer, and the router's retry elsewhere must not make it count twice.
@@ -379,10 +465,10 @@ impl Run {
                 return;
             }
             let n = started.words.len();
+            let mut at = started.admitted.first_token_at;
             for k in 0..n {
-                if self.server.engine.time_scale() > 0.0 {
-                    tokio::time::sleep_until(self.token_time(&started, k).into()).await;
-                }
+                let due = if k == 0 { at } else { at + self.itl() };
+                at = self.emit_at(due).await;
                 if self.server.engine.is_killed() {
                     let _ = tx.send(Err(std::io::Error::other("server killed"))).await;
                     return;
@@ -415,7 +501,7 @@ impl Run {
                     return;
                 }
             }
-            let outcome = self.finish(started);
+            let outcome = self.finish(started, at);
             self.record(std::slice::from_ref(&outcome));
             prompt_sum += outcome.prompt_tokens;
             completion_sum += outcome.completion_tokens;

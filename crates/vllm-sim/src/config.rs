@@ -57,6 +57,22 @@ pub struct SimConfig {
     /// template.
     #[arg(long)]
     pub tokenizer: Option<std::path::PathBuf>,
+    /// Prefill/decode disaggregation: the bandwidth, in GB/s, at which a decode server pulls a
+    /// prefill server's KV blocks (NIXL over RDMA: 25 GB/s is one 200 Gb/s link).
+    #[arg(long, default_value_t = 25.0)]
+    pub kv_transfer_gbps: f64,
+    /// Bytes of KV cache per token (Llama-3.1-8B in bf16: 32 layers × K and V × 8 heads × 128
+    /// × 2 bytes = 131,072).
+    #[arg(long, default_value_t = 131_072)]
+    pub kv_bytes_per_token: u64,
+    /// The first pull from a peer pays this handshake, in ms (NIXL exchanges its metadata).
+    #[arg(long, default_value_t = 200.0)]
+    pub kv_handshake_ms: f64,
+    /// The share of a prefill step's time that the decoding sequences of the same server wait:
+    /// one forward pass computes both, so a token due during a step comes out at its end (1),
+    /// or not at all delayed (0). Why disaggregated prefill exists.
+    #[arg(long, default_value_t = 1.0)]
+    pub prefill_stalls_decode: f64,
     /// Publish KV-cache events as vLLM does (ZMQ PUB on a free loopback port per server,
     /// printed at start and in `/sim/state`); needs `--tokenizer` (token ids as vLLM's).
     #[arg(long)]
@@ -100,6 +116,14 @@ impl SimConfig {
         anyhow::ensure!(
             self.time_scale >= 0.0 && self.time_scale.is_finite(),
             "--time-scale must be a finite number >= 0"
+        );
+        anyhow::ensure!(
+            self.kv_transfer_gbps > 0.0 && self.kv_handshake_ms >= 0.0,
+            "--kv-transfer-gbps must be positive and --kv-handshake-ms not negative"
+        );
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&self.prefill_stalls_decode),
+            "--prefill-stalls-decode must be within 0..1"
         );
         anyhow::ensure!(
             (0.0..=1.0).contains(&self.fail_rate),

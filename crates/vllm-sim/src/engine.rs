@@ -30,6 +30,10 @@ pub struct Job {
     pub prompt_tokens: usize,
     /// Prompt plus answer.
     pub total_tokens: usize,
+    /// For a decode after a remote prefill: the prompt tokens pulled from the prefill server
+    /// just before (cached when it is scheduled, but vLLM counts them as the connector's hits,
+    /// not the prefix cache's).
+    pub external_tokens: Option<usize>,
 }
 
 impl Job {
@@ -113,6 +117,11 @@ pub struct Engine {
     pub kill_signal: Notify,
     /// Where the cache's changes go when KV events are published.
     events_out: Mutex<Option<tokio::sync::mpsc::UnboundedSender<Vec<CacheEvent>>>>,
+    /// The prefill step running now (real start and end), if any: decode tokens due within
+    /// it come out at its end ([`Engine::decode_delay`]).
+    prefill_step: Mutex<Option<(Instant, Instant)>>,
+    /// Peers whose blocks this server has pulled (the first pull pays the handshake).
+    pub peers: crate::disagg::Peers,
 }
 
 impl Engine {
@@ -133,6 +142,8 @@ impl Engine {
             time_scale_bits: AtomicU64::new(config.time_scale.to_bits()),
             kill_signal: Notify::new(),
             events_out: Mutex::new(None),
+            prefill_step: Mutex::new(None),
+            peers: Default::default(),
             config,
         });
         tokio::spawn(schedule(engine.clone()));
@@ -190,6 +201,34 @@ impl Engine {
             state.coming.contains_key(&h)
         });
         blocks * self.config.block_size
+    }
+
+    /// Caches blocks pulled from a prefill server (the hashes of the prompt's leading full
+    /// blocks, of `tokens`) as if computed here. None are kept when running requests hold every
+    /// block: the request then computes its prompt itself.
+    pub fn receive(&self, hashes: &[u64], tokens: &[TokenId]) {
+        if hashes.is_empty() {
+            return;
+        }
+        let n = hashes.len() * self.config.block_size;
+        let mut state = self.state.lock();
+        if let Ok(mut alloc) = state.cache.allocate(hashes, n, n) {
+            state.cache.commit(&mut alloc, hashes, tokens);
+            state.cache.release(alloc);
+        }
+        drop(state);
+        self.publish_events();
+    }
+
+    /// How long past `now` a decode token due now waits: until the end of the prefill step
+    /// running now, times `--prefill-stalls-decode`.
+    pub fn decode_delay(&self, now: Instant) -> std::time::Duration {
+        match *self.prefill_step.lock() {
+            Some((start, end)) if start <= now && now < end => {
+                (end - now).mul_f64(self.config.prefill_stalls_decode)
+            }
+            _ => std::time::Duration::ZERO,
+        }
     }
 
     /// Empties the cache and the counters.
@@ -419,6 +458,7 @@ async fn schedule(engine: Arc<Engine>) {
         let start = free_at.max(Instant::now());
         let done = start + engine.real(step_secs);
         free_at = done;
+        *engine.prefill_step.lock() = Some((start, done));
         if engine.time_scale() > 0.0 {
             tokio::time::sleep_until(done.into()).await;
         }
@@ -448,9 +488,20 @@ fn first_tokens(engine: &Arc<Engine>, done: Instant, step_secs: f64) {
             cached_tokens,
             ..
         } = p;
+        let external = w.job.external_tokens.unwrap_or(0).min(cached_tokens);
         m.prefix_cache_queries
             .fetch_add(w.job.prompt_tokens as u64, Relaxed);
-        m.prefix_cache_hits.fetch_add(cached_tokens as u64, Relaxed);
+        m.prefix_cache_hits
+            .fetch_add((cached_tokens - external) as u64, Relaxed);
+        if w.job.external_tokens.is_some() {
+            // What the local cache lacked was asked of the connector.
+            m.external_prefix_cache_queries.fetch_add(
+                (w.job.prompt_tokens - (cached_tokens - external)) as u64,
+                Relaxed,
+            );
+            m.external_prefix_cache_hits
+                .fetch_add(external as u64, Relaxed);
+        }
         m.prompt_tokens
             .fetch_add(w.job.prompt_tokens as u64, Relaxed);
         let ttft_secs = engine
@@ -552,6 +603,7 @@ mod tests {
             tokens: vec![0; tokens].into(),
             prompt_tokens: tokens,
             total_tokens: tokens + 1,
+            external_tokens: None,
         };
         state.expect(job.prompt_hashes(BLOCK));
         let (reply, admitted) = oneshot::channel();

@@ -2,12 +2,14 @@
 //!
 //! Each server speaks vLLM's OpenAI-compatible HTTP API and models what matters to a router:
 //! automatic prefix caching over a bounded KV cache ([`kv_cache`]), a FIFO prefill engine and
-//! bounded decode seats ([`engine`]), vLLM's metrics, and injectable faults. Nothing here
+//! bounded decode seats ([`engine`]), vLLM's metrics, prefill/decode disaggregation as vLLM's
+//! NixlConnector speaks it ([`disagg`]), and injectable faults. Nothing here
 //! depends on the router: it stands in for vLLM.
 #![forbid(unsafe_code)]
 
 pub mod api;
 pub mod config;
+pub mod disagg;
 pub mod engine;
 pub mod events;
 pub mod kv_cache;

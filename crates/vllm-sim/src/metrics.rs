@@ -71,6 +71,10 @@ impl Histogram {
 pub struct Metrics {
     pub prefix_cache_queries: AtomicU64,
     pub prefix_cache_hits: AtomicU64,
+    /// Prompt tokens asked of the KV connector (a decode's prompt less its local hits), and
+    /// those pulled from a prefill server.
+    pub external_prefix_cache_queries: AtomicU64,
+    pub external_prefix_cache_hits: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
     pub success_stop: AtomicU64,
@@ -85,6 +89,8 @@ impl Default for Metrics {
         Self {
             prefix_cache_queries: AtomicU64::new(0),
             prefix_cache_hits: AtomicU64::new(0),
+            external_prefix_cache_queries: AtomicU64::new(0),
+            external_prefix_cache_hits: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
             success_stop: AtomicU64::new(0),
@@ -110,6 +116,8 @@ impl Metrics {
         for c in [
             &self.prefix_cache_queries,
             &self.prefix_cache_hits,
+            &self.external_prefix_cache_queries,
+            &self.external_prefix_cache_hits,
             &self.prompt_tokens,
             &self.generation_tokens,
             &self.success_stop,
@@ -167,6 +175,18 @@ impl Metrics {
             "vllm:prefix_cache_hits",
             "Prefix cache hits, in terms of number of cached tokens.",
             self.prefix_cache_hits.load(Relaxed),
+        );
+        counter(
+            &mut out,
+            "vllm:external_prefix_cache_queries",
+            "Prompt tokens asked of the KV connector (another server's cache).",
+            self.external_prefix_cache_queries.load(Relaxed),
+        );
+        counter(
+            &mut out,
+            "vllm:external_prefix_cache_hits",
+            "Prompt tokens the KV connector brought from another server.",
+            self.external_prefix_cache_hits.load(Relaxed),
         );
         counter(
             &mut out,

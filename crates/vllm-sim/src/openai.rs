@@ -79,6 +79,8 @@ pub struct GenRequest {
     pub stream: bool,
     pub include_usage: bool,
     pub raw_stream_options: Value,
+    /// What its `kv_transfer_params` ask (prefill/decode disaggregation).
+    pub transfer: crate::disagg::Transfer,
 }
 
 fn field<'a>(body: &'a Value, name: &str) -> Option<&'a Value> {
@@ -198,6 +200,7 @@ pub fn parse(endpoint: Endpoint, body: &Value, config: &SimConfig) -> Result<Gen
         stream,
         include_usage,
         raw_stream_options,
+        transfer: crate::disagg::parse(body)?,
     })
 }
 
@@ -255,7 +258,14 @@ pub struct ChoiceOutcome {
 }
 
 /// The non-streaming answer.
-pub fn full_response(req: &GenRequest, id: &str, created: u64, choices: &[ChoiceOutcome]) -> Value {
+/// A whole answer; `kv_transfer_params` is what a prefill for a remote decode tells it.
+pub fn full_response(
+    req: &GenRequest,
+    id: &str,
+    created: u64,
+    choices: &[ChoiceOutcome],
+    kv_transfer_params: Value,
+) -> Value {
     let (p, c, k) = choices.iter().fold((0, 0, 0), |(p, c, k), o| {
         (
             p + o.prompt_tokens,
@@ -271,7 +281,7 @@ pub fn full_response(req: &GenRequest, id: &str, created: u64, choices: &[Choice
                 "finish_reason": o.finish_reason, "stop_reason": null, "prompt_logprobs": null,
             })).collect::<Vec<_>>(),
             "usage": usage(p, c, k),
-            "kv_transfer_params": null,
+            "kv_transfer_params": kv_transfer_params,
         }),
         Endpoint::Chat => json!({
             "id": id, "object": "chat.completion", "created": created, "model": req.model,
@@ -284,7 +294,7 @@ pub fn full_response(req: &GenRequest, id: &str, created: u64, choices: &[Choice
             })).collect::<Vec<_>>(),
             "service_tier": null, "system_fingerprint": null,
             "usage": usage(p, c, k),
-            "prompt_logprobs": null, "kv_transfer_params": null,
+            "prompt_logprobs": null, "kv_transfer_params": kv_transfer_params,
         }),
     }
 }

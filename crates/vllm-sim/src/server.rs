@@ -89,7 +89,7 @@ impl SimServer {
             (None, None)
         };
         let app = KillSwitch {
-            router: api::router(Server::new(engine.clone(), &addr.port().to_string())),
+            router: api::router(Server::new(engine.clone(), addr)),
             engine: engine.clone(),
         };
         let (stop, stopped) = watch::channel(false);
