@@ -27,6 +27,8 @@ pub struct BackendSpec {
     /// Its publisher's replay socket, e.g. `tcp://10.0.0.5:5558` (default: its host and
     /// `--kv-replay-port`, if set; vLLM opens one only with a `replay_endpoint`).
     pub kv_replay: Option<String>,
+    /// What it does in a disaggregated fleet.
+    pub role: crate::core::disagg::Role,
 }
 
 impl BackendSpec {
@@ -39,6 +41,7 @@ impl BackendSpec {
             api_key: None,
             kv_events: None,
             kv_replay: None,
+            role: Default::default(),
         }
     }
 }
@@ -222,6 +225,11 @@ impl Backend {
     /// The settings now.
     pub fn spec(&self) -> Arc<BackendSpec> {
         self.spec.load_full()
+    }
+
+    /// What it does in a disaggregated fleet.
+    pub fn role(&self) -> crate::core::disagg::Role {
+        self.spec.load().role
     }
 
     /// Relative capacity (at least 1): load is compared per unit of weight.

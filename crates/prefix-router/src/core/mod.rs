@@ -9,6 +9,7 @@
 pub mod admission;
 pub mod backend;
 pub mod continued;
+pub mod disagg;
 pub mod events;
 pub mod matches;
 pub mod metrics;
@@ -25,7 +26,8 @@ use backend::{Backend, BackendSpec, Fleet};
 use matches::{MatchSource, PromptKey, StringIndex};
 use metrics::{CoreMetrics, DecisionLabels};
 use policy::{
-    explain, CandidateRow, MatchFacts, MatchedBy, Policy, PolicySettings, Reason, RequestFacts,
+    explain, CandidateRow, Choice, MatchFacts, MatchedBy, Policy, PolicySettings, Reason,
+    RequestFacts,
 };
 
 /// Settings of the core's fleet handling.
@@ -35,6 +37,8 @@ pub struct CoreSettings {
     pub unhealthy_after: u32,
     /// The index capacity of a backend before its KV cache size is known.
     pub default_capacity: u64,
+    /// Prefill/decode disaggregation (fleets with `prefill` or `decode` servers).
+    pub pd: disagg::PdSettings,
 }
 
 /// What a request asks of the core.
@@ -88,6 +92,10 @@ pub struct Decision {
     /// Prompt tokens each backend of `order` would have to compute (what it does not hold),
     /// where the request's matches are known; else empty.
     pub uncached: Vec<u64>,
+    /// In a disaggregated fleet (`order` then holds the decode servers): whether a prefill
+    /// server computes the prompt first, and which ones to try.
+    pub pd: Option<disagg::PdOutcome>,
+    pub prefill: Option<disagg::PrefillPlan>,
 }
 
 /// Where precise matches come from.
@@ -414,7 +422,12 @@ impl Core {
             turn: self.turn.fetch_add(1, Relaxed),
             replica_rank: self.replica_rank.load(Relaxed),
         };
-        let mut decision = self.decide(&*self.policy, candidates, &rows, &facts);
+        let disaggregated = candidates.iter().any(|b| b.role() != disagg::Role::Both);
+        let mut decision = if disaggregated {
+            self.decide_disaggregated(&*self.policy, candidates, rows, &facts)
+        } else {
+            self.decide(&*self.policy, candidates, &rows, &facts)
+        };
         decision.block_names = block_names;
         decision
     }
@@ -439,6 +452,70 @@ impl Core {
         facts: &RequestFacts,
     ) -> Decision {
         let choice = policy.choose(rows, facts);
+        let reason = choice.reason.label();
+        self.settle(policy, candidates, rows, facts, choice, reason)
+    }
+
+    /// A disaggregated fleet: the decode server by `policy` among the servers that decode,
+    /// then whether and where the prompt is prefilled ([`disagg`]). Counted under the P/D
+    /// outcome's reason (the decode choice's own is in the decision log).
+    fn decide_disaggregated(
+        &self,
+        policy: &dyn Policy,
+        candidates: Vec<Arc<Backend>>,
+        rows: Vec<CandidateRow>,
+        facts: &RequestFacts,
+    ) -> Decision {
+        let roles: Vec<disagg::Role> = candidates.iter().map(|b| b.role()).collect();
+        let decodes: Vec<bool> = roles.iter().map(|r| r.decodes()).collect();
+        if !decodes.contains(&true) {
+            // Only prefill servers are healthy: they answer whole requests (vLLM servers all
+            // can), rather than nobody.
+            return self.decide(policy, candidates, &rows, facts);
+        }
+        let (mut decode_candidates, mut decode_rows) = (candidates.clone(), rows.clone());
+        retain_where(&mut decode_candidates, &decodes);
+        retain_where(&mut decode_rows, &decodes);
+        let choice = policy.choose(&decode_rows, facts);
+        let decode = &decode_candidates[choice.order[0]];
+        let prefills: Vec<bool> = candidates
+            .iter()
+            .zip(&roles)
+            .map(|(b, r)| r.prefills() && b.id != decode.id)
+            .collect();
+        let (mut prefill_candidates, mut prefill_rows) = (candidates, rows);
+        retain_where(&mut prefill_candidates, &prefills);
+        retain_where(&mut prefill_rows, &prefills);
+        let (outcome, prefill) = disagg::plan_prefill(
+            policy,
+            self.settings.pd,
+            &decode_rows[choice.order[0]],
+            (&prefill_candidates, &prefill_rows),
+            facts,
+        );
+        let mut decision = self.settle(
+            policy,
+            decode_candidates,
+            &decode_rows,
+            facts,
+            choice,
+            outcome.label(),
+        );
+        decision.pd = Some(outcome);
+        decision.prefill = prefill;
+        decision
+    }
+
+    /// A decision from `choice`, counted under `reason`.
+    fn settle(
+        &self,
+        policy: &dyn Policy,
+        candidates: Vec<Arc<Backend>>,
+        rows: &[CandidateRow],
+        facts: &RequestFacts,
+        choice: Choice,
+        reason: &'static str,
+    ) -> Decision {
         debug_assert_eq!(choice.order.len(), candidates.len());
         if tracing::enabled!(target: "prefix_router::decision", tracing::Level::DEBUG) {
             explain(policy, rows, facts, &choice);
@@ -448,7 +525,7 @@ impl Core {
             .decisions
             .get_or_create(&DecisionLabels {
                 policy: policy.name(),
-                reason: choice.reason.label(),
+                reason,
                 index,
             })
             .inc();
@@ -474,6 +551,8 @@ impl Core {
             matched_ratio: choice.matched_ratio,
             index,
             block_names: None,
+            pd: None,
+            prefill: None,
         }
     }
 
@@ -667,6 +746,7 @@ mod tests {
             session_load_factor: 1.25,
         };
         let settings = CoreSettings {
+            pd: disagg::PdSettings { threshold: 512 },
             unhealthy_after: 1,
             default_capacity: 1000,
         };

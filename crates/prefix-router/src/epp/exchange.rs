@@ -64,6 +64,11 @@ impl BodyMode {
 struct Sent {
     backend: Arc<Backend>,
     guard: Option<InflightGuard>,
+    /// Disaggregated: the prefill server named to the decode pod's sidecar, counted there
+    /// until the decode server's answer begins (its prefill is over by then).
+    prefill_guard: Option<InflightGuard>,
+    /// Whether a prefill server was named (the decode servers pull the prompt).
+    prefilled: bool,
     tenant_guard: Option<TenantGuard>,
     model: Arc<str>,
     text_bytes: u64,
@@ -286,9 +291,14 @@ impl Exchange {
             Attempt {
                 backend: &backend,
                 load_eased,
-                uncached: decision.uncached.first().copied(),
+                // A decode server that pulls the prompt computes none of it.
+                uncached: match &decision.prefill {
+                    Some(_) => Some(0),
+                    None => decision.uncached.first().copied(),
+                },
                 text_bytes,
                 stream,
+                teaches_line: decision.prefill.is_none(),
                 prompt: prompt.as_ref(),
                 block_names: decision.block_names.as_ref(),
                 span: None,
@@ -296,6 +306,33 @@ impl Exchange {
             &mut permit,
         )
         .await;
+        // Disaggregated: the decode pod's sidecar asks this prefill server first (llm-d's
+        // routing sidecar protocol), so it is counted and taught here.
+        let prefill = decision
+            .prefill
+            .as_ref()
+            .and_then(|plan| Some((plan.order.first()?.clone(), plan.uncached.first().copied())));
+        let prefill_guard = match &prefill {
+            Some((prefill, uncached)) => Some(
+                route::begin_attempt(
+                    &gw,
+                    Attempt {
+                        backend: prefill,
+                        load_eased: None,
+                        uncached: *uncached,
+                        text_bytes,
+                        stream: true,
+                        teaches_line: false,
+                        prompt: prompt.as_ref(),
+                        block_names: decision.block_names.as_ref(),
+                        span: None,
+                    },
+                    &mut None,
+                )
+                .await,
+            ),
+            None => None,
+        };
         gw.metrics
             .added_latency
             .observe(received.elapsed().as_secs_f64());
@@ -323,6 +360,16 @@ impl Exchange {
             None if !gw.keys.is_open() => headers.remove.push("authorization"),
             None => {}
         }
+        match &prefill {
+            Some((prefill, _)) => headers.set.push((
+                PREFILLER_HEADER,
+                endpoint_of(prefill.url()).as_bytes().to_vec(),
+            )),
+            // In a disaggregated fleet a client's own would steer the sidecar: only the
+            // picker names a prefiller.
+            None if decision.pd.is_some() => headers.remove.push(PREFILLER_HEADER),
+            None => {}
+        }
         if let Some(traceparent) = head.headers.get("traceparent") {
             headers
                 .set
@@ -331,6 +378,8 @@ impl Exchange {
         self.sent = Some(Sent {
             backend,
             guard: Some(guard),
+            prefilled: prefill_guard.is_some(),
+            prefill_guard,
             tenant_guard,
             model,
             text_bytes,
@@ -371,6 +420,7 @@ impl Exchange {
             .unwrap_or(200);
         if let Some(sent) = &mut self.sent {
             sent.status = status;
+            drop(sent.prefill_guard.take());
             sent.sse = envoy::header(headers.headers.as_ref(), "content-type")
                 .is_some_and(|ct| ct.starts_with(b"text/event-stream"));
             if self.response_mode == BodyMode::None {
@@ -496,9 +546,13 @@ impl Picker {
             Attempt {
                 backend: &backend,
                 load_eased: None,
-                uncached: sent.uncached.get(at).copied(),
+                uncached: match sent.prefilled {
+                    true => Some(0),
+                    false => sent.uncached.get(at).copied(),
+                },
                 text_bytes: sent.text_bytes,
                 stream: sent.stream,
+                teaches_line: !sent.prefilled,
                 prompt: sent.prompt.as_ref(),
                 block_names: sent.block_names.as_ref(),
                 span: None,
@@ -548,6 +602,10 @@ fn endpoint(path: &str) -> Endpoint {
 }
 
 /// A backend's `host:port`, as the gateway names endpoints.
+/// The request header naming the prefill endpoint to a decode pod's routing sidecar (llm-d's
+/// name).
+pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
+
 pub(super) fn endpoint_of(url: &str) -> &str {
     let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
     rest.split('/').next().unwrap_or(rest)

@@ -15,6 +15,7 @@ use serde::Deserialize;
 
 use super::backend::BackendSpec;
 use super::policy::PolicyKind;
+use crate::core::disagg::Role;
 use crate::store_args::StoreArgs;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -29,6 +30,22 @@ pub struct ServeArgs {
         value_delimiter = ','
     )]
     pub backends: Vec<String>,
+    /// A prefill server of a disaggregated fleet (repeatable, or comma-separated): it computes
+    /// prompts whose KV blocks a decode server then pulls (vLLM's NixlConnector).
+    #[arg(long = "prefill", env = "PREFIX_ROUTER_PREFILL", value_delimiter = ',')]
+    pub prefill_backends: Vec<String>,
+    /// A decode server of a disaggregated fleet (repeatable, or comma-separated): it answers
+    /// requests, pulling their prompts from a prefill server unless it holds most of them.
+    #[arg(long = "decode", env = "PREFIX_ROUTER_DECODE", value_delimiter = ',')]
+    pub decode_backends: Vec<String>,
+    /// Disaggregated fleets: a decode server computes a request's prompt itself when it lacks
+    /// at most this many of its tokens (no prefill server, no transfer).
+    #[arg(long, env = "PREFIX_ROUTER_PD_THRESHOLD", default_value_t = 512)]
+    pub pd_threshold: u64,
+    /// Disaggregated fleets: the longest a prefill server may take to answer; after it (or
+    /// its failure) the decode server computes the prompt itself.
+    #[arg(long, env = "PREFIX_ROUTER_PD_PREFILL_TIMEOUT", default_value = "30s", value_parser = crate::duration::parse)]
+    pub pd_prefill_timeout: Duration,
     /// TOML config file (re-read when it changes: backends join and leave).
     #[arg(long, env = "PREFIX_ROUTER_CONFIG")]
     pub config: Option<PathBuf>,
@@ -173,6 +190,14 @@ pub struct ServeArgs {
     /// k8s: a pod label naming the model the pod serves (else its /v1/models is asked).
     #[arg(long, env = "PREFIX_ROUTER_K8S_MODEL_LABEL", default_value = "model")]
     pub k8s_model_label: String,
+    /// k8s: a pod label naming the pod's role in a disaggregated fleet (`prefill`, `decode`,
+    /// `both`), as llm-d labels its pods.
+    #[arg(
+        long,
+        env = "PREFIX_ROUTER_K8S_ROLE_LABEL",
+        default_value = "llm-d.ai/role"
+    )]
+    pub k8s_role_label: String,
     /// k8s: take the pods' selector and ports from this InferencePool
     /// (`inference.networking.k8s.io/v1`, in `--namespace`), following its changes, instead of
     /// `--label-selector` and `--k8s-port`. Implies `--discovery k8s`.
@@ -217,6 +242,8 @@ struct FileBackend {
     kv_events: Option<String>,
     #[serde(alias = "kv_replay")]
     kv_replay: Option<String>,
+    /// `prefill`, `decode` or `both`.
+    role: Option<String>,
 }
 
 #[derive(clap::Parser)]
@@ -416,6 +443,7 @@ impl ServeArgs {
                 port: self.k8s_port,
                 target_ports: None,
                 model_label: self.k8s_model_label.clone(),
+                role_label: self.k8s_role_label.clone(),
                 inference_pool: self.inference_pool.clone(),
             }
         })
@@ -450,6 +478,18 @@ impl ServeArgs {
             }
             specs.push(spec);
         }
+        let roled = self
+            .prefill_backends
+            .iter()
+            .map(|url| (url, Role::Prefill))
+            .chain(self.decode_backends.iter().map(|url| (url, Role::Decode)));
+        for (url, role) in roled {
+            let mut spec = BackendSpec::new(url);
+            spec.role = role;
+            spec.api_key = self.backend_api_key.clone();
+            specs.retain(|s| s.url != spec.url);
+            specs.push(spec);
+        }
         if let Some(path) = &self.config {
             for b in file_backends(path)? {
                 let mut spec = BackendSpec::new(&b.url);
@@ -459,6 +499,14 @@ impl ServeArgs {
                 spec.api_key = b.api_key.or_else(|| self.backend_api_key.clone());
                 spec.kv_events = b.kv_events;
                 spec.kv_replay = b.kv_replay;
+                if let Some(role) = &b.role {
+                    spec.role = Role::parse(role).ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "backend {}: role {role:?} is not prefill, decode or both",
+                            b.url
+                        )
+                    })?;
+                }
                 specs.retain(|s| s.url != spec.url);
                 specs.push(spec);
             }

@@ -18,6 +18,7 @@ use kube::Api;
 
 use super::monitor::{Monitor, WeakMonitor};
 use crate::core::backend::BackendSpec;
+use crate::core::disagg::Role;
 
 /// What `--discovery k8s` needs.
 #[derive(Clone, Debug)]
@@ -32,6 +33,9 @@ pub struct K8sSettings {
     /// A pod label whose value, when present, is the model the pod serves (instead of asking
     /// its `/v1/models`).
     pub model_label: String,
+    /// A pod label whose value is the pod's role in a disaggregated fleet (`prefill`,
+    /// `decode`, `both`; llm-d's `llm-d.ai/role`); without it, or with another value, both.
+    pub role_label: String,
     /// The InferencePool whose selector and ports replace `label_selector` and `port`.
     pub inference_pool: Option<String>,
 }
@@ -72,17 +76,20 @@ pub fn pod_backends(pod: &Pod, settings: &K8sSettings) -> Vec<BackendSpec> {
     } else {
         ip.to_owned()
     };
-    let models = pod
-        .metadata
-        .labels
-        .as_ref()
+    let labels = pod.metadata.labels.as_ref();
+    let models = labels
         .and_then(|l| l.get(&settings.model_label))
         .map(|m| vec![m.clone()]);
+    let role = labels
+        .and_then(|l| l.get(&settings.role_label))
+        .and_then(|r| Role::parse(r))
+        .unwrap_or_default();
     ports
         .into_iter()
         .map(|port| {
             let mut spec = BackendSpec::new(&format!("http://{host}:{port}"));
             spec.models = models.clone();
+            spec.role = role;
             spec
         })
         .collect()
@@ -233,6 +240,7 @@ mod tests {
             port: 8000,
             target_ports: None,
             model_label: "model".into(),
+            role_label: "llm-d.ai/role".into(),
             inference_pool: None,
         }
     }
@@ -281,5 +289,20 @@ mod tests {
             "status": {"conditions": [{"type": "Ready", "status": "True"}]}
         }));
         assert!(pod_backends(&no_ip, &settings()).is_empty());
+    }
+
+    #[test]
+    fn the_role_label_names_a_pods_role() {
+        let with_role = |role: &str| {
+            pod(serde_json::json!({
+                "metadata": {"name": "a", "labels": {"llm-d.ai/role": role}},
+                "status": {"podIP": "10.0.0.5", "conditions": [{"type": "Ready", "status": "True"}]}
+            }))
+        };
+        let role = |p: &Pod| pod_backends(p, &settings()).remove(0).role;
+        assert_eq!(role(&with_role("prefill")), Role::Prefill);
+        assert_eq!(role(&with_role("decode")), Role::Decode);
+        assert_eq!(role(&with_role("prefill-decode")), Role::Both);
+        assert_eq!(role(&with_role("something-else")), Role::Both);
     }
 }

@@ -170,6 +170,7 @@ mod tests {
             port: 1,
             target_ports: None,
             model_label: "model".into(),
+            role_label: "llm-d.ai/role".into(),
             inference_pool: Some("p".into()),
         };
         let pods = spec.pod_settings(&base);

@@ -51,6 +51,22 @@ pub struct FallbackLabels {
     pub reason: &'static str,
 }
 
+/// How a prefill call ended: `ok`, or why the decode server computed the prompt itself.
+pub const PREFILL_OUTCOMES: [&str; 6] = [
+    "ok",
+    "timeout",
+    "unreachable",
+    "error",
+    "no_transfer",
+    "invalid",
+];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PrefillLabels {
+    pub backend: Label,
+    pub outcome: &'static str,
+}
+
 pub struct GatewayMetrics {
     /// Requests matched by strings because their token ids could not be computed exactly.
     pub tokenize_fallbacks: Family<FallbackLabels, Counter>,
@@ -60,6 +76,7 @@ pub struct GatewayMetrics {
     request_series: parking_lot::Mutex<Vec<RequestLabels>>,
     pub added_latency: Histogram,
     retries: Family<BackendLabels, Counter>,
+    prefills: Family<PrefillLabels, Counter>,
     pub incoming: Family<ModelLabels, Counter>,
     request_latency: Hist<ServerLabels>,
     ttft: Hist<BackendLabels>,
@@ -75,6 +92,7 @@ impl GatewayMetrics {
             request_series: Default::default(),
             added_latency: latency(),
             retries: Family::default(),
+            prefills: Family::default(),
             incoming: Family::default(),
             request_latency: Hist::new_with_constructor(latency),
             ttft: Hist::new_with_constructor(latency),
@@ -95,6 +113,11 @@ impl GatewayMetrics {
             "prefix_router_retries",
             "Requests retried on another backend after a failure, by the failed backend",
             m.retries.clone(),
+        );
+        r.register(
+            "prefix_router_pd_prefills",
+            "Disaggregated fleets: prefill calls by prefill server and outcome (ok, or why the decode server computed the prompt itself)",
+            m.prefills.clone(),
         );
         r.register(
             "prefix_router_tokenize_fallbacks",
@@ -175,6 +198,16 @@ impl GatewayMetrics {
             .inc();
     }
 
+    /// Counts one prefill call to `backend` that ended as `outcome`.
+    pub fn count_prefill(&self, backend: &Backend, outcome: &'static str) {
+        self.prefills
+            .get_or_create(&PrefillLabels {
+                backend: Label(backend.label.clone()),
+                outcome,
+            })
+            .inc();
+    }
+
     /// Removes the series of a backend that left (pods come and go; their series must not
     /// pile up).
     pub fn forget_backend(&self, backend: &Backend) {
@@ -194,6 +227,12 @@ impl GatewayMetrics {
         self.ttft_prediction.remove(&backend);
         self.ttft_prediction_error.remove(&backend);
         self.retries.remove(&backend);
+        for outcome in PREFILL_OUTCOMES {
+            self.prefills.remove(&PrefillLabels {
+                backend: backend.backend.clone(),
+                outcome,
+            });
+        }
     }
 }
 

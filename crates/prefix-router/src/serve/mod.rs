@@ -5,6 +5,7 @@
 //! monitor and discovery with the handles they use, and serves the routes.
 
 pub mod config;
+mod disagg;
 pub mod discovery;
 pub mod inference_pool;
 pub(crate) mod metrics;
@@ -64,6 +65,8 @@ pub struct GatewaySettings {
     pub trust_client_headers: bool,
     /// Precise mode tokenizes bodies up to this size (`--tokenize-max-bytes`).
     pub tokenize_max_bytes: usize,
+    /// Disaggregated fleets: the longest wait for a prefill server (`--pd-prefill-timeout`).
+    pub pd_prefill_timeout: Duration,
 }
 
 impl GatewaySettings {
@@ -183,6 +186,9 @@ pub(crate) async fn gateway_with<T>(
         CoreSettings {
             unhealthy_after: args.unhealthy_after.max(1),
             default_capacity: args.store.capacity,
+            pd: crate::core::disagg::PdSettings {
+                threshold: args.pd_threshold,
+            },
         },
         &mut registry,
     ));
@@ -246,6 +252,7 @@ pub(crate) async fn gateway_with<T>(
             forward_priority: args.queue.forward_priority,
             trust_client_headers: args.queue.trust_client_headers,
             tokenize_max_bytes: args.tokenize_max_bytes,
+            pd_prefill_timeout: args.pd_prefill_timeout,
         },
         cpu_slots: tokio::sync::Semaphore::new(
             std::thread::available_parallelism().map_or(1, |n| n.get()),

@@ -10,6 +10,7 @@ use axum::extract::Request;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 
+use super::disagg;
 use super::metrics::{model_label, Label, RequestLabels, UNKNOWN_MODEL};
 use super::prepare::{prepare, Prepared};
 use super::proxy;
@@ -336,6 +337,9 @@ pub async fn route(gw: Arc<Gateway>, endpoint: Endpoint, req: Request) -> Respon
                 decision.matched_ratio.unwrap_or(0.0),
             ),
         ]);
+        if let Some(pd) = decision.pd {
+            span.set([KeyValue::new("prefix_router.pd", pd.label())]);
+        }
     });
     forward(&gw, parts, body, received, placed, span).await
 }
@@ -403,9 +407,14 @@ async fn forward(
             Attempt {
                 backend: &backend,
                 load_eased: load_eased.clone(),
-                uncached: decision.uncached.get(attempt).copied(),
+                // A decode server that will pull the prompt computes none of it.
+                uncached: match &decision.prefill {
+                    Some(_) => Some(0),
+                    None => decision.uncached.get(attempt).copied(),
+                },
                 text_bytes,
                 stream,
+                teaches_line: decision.prefill.is_none(),
                 prompt: prompt.as_ref(),
                 block_names: decision.block_names.as_ref(),
                 span: span.as_ref(),
@@ -418,8 +427,30 @@ async fn forward(
                 .added_latency
                 .observe(received.elapsed().as_secs_f64());
         }
+        // Disaggregated: a prefill server computes the prompt first (afresh for each decode
+        // server tried: a failed decode's pull is released by the prefill server's lease).
+        let attempt_body = match &decision.prefill {
+            Some(plan) => disagg::prefill(
+                gw,
+                disagg::PrefillCall {
+                    plan,
+                    method: &parts.method,
+                    uri: &parts.uri,
+                    headers: &headers,
+                    body: &body,
+                    text_bytes,
+                    prompt: prompt.as_ref(),
+                    block_names: decision.block_names.as_ref(),
+                    span: span.as_ref(),
+                },
+            )
+            .await
+            .and_then(|params| disagg::decode_body(&body, &params))
+            .unwrap_or_else(|| body.clone()),
+            None => body.clone(),
+        };
         let upstream =
-            proxy::upstream_request(&backend, &parts.method, &parts.uri, &headers, body.clone());
+            proxy::upstream_request(&backend, &parts.method, &parts.uri, &headers, attempt_body);
         let last = attempt + 1 == attempts;
         let attempt_deadline = if stream {
             deadline.min(Instant::now() + gw.settings.upstream_timeout)
@@ -493,6 +524,9 @@ pub(crate) struct Attempt<'a> {
     pub uncached: Option<u64>,
     pub text_bytes: u64,
     pub stream: bool,
+    /// Whether its time to first byte is the backend's own prefill, to learn its line from:
+    /// not for a decode server that pulls the prompt from a prefill server.
+    pub teaches_line: bool,
     pub prompt: Option<&'a PromptKey>,
     pub block_names: Option<&'a crate::core::events::BlockNames>,
     pub span: Option<&'a RequestSpan>,
@@ -540,6 +574,7 @@ pub(crate) async fn begin_attempt(
     } else {
         // Its TTFT teaches the backend's prefill line, and says how right the line was.
         let (gw2, b2) = (gw.clone(), backend.clone());
+        let teaches_line = attempt.teaches_line;
         let decoding = row.inflight.saturating_sub(row.waiting_first_byte);
         let span = attempt.span.cloned();
         guard.on_first_byte(Box::new(move |ttft| {
@@ -553,6 +588,11 @@ pub(crate) async fn begin_attempt(
                 stalled_secs = row.stalled_secs, predicted, ttft,
                 "first byte"
             );
+            if !teaches_line {
+                // Its prompt came from elsewhere: its time says nothing of its own prefill.
+                gw2.metrics.observe_ttft(&b2, ttft, 0.0);
+                return;
+            }
             gw2.metrics.observe_ttft(&b2, ttft, predicted);
             gw2.core.first_byte(
                 &b2,
