@@ -37,6 +37,10 @@ pub struct Sample {
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
     pub cached_tokens: u64,
+    /// Streams: seconds between successive chunks of the answer after the first (each chunk
+    /// one token or more: vLLM streams a token a chunk), the inter-token latencies.
+    #[serde(skip)]
+    pub itl: Vec<f64>,
     pub error: Option<String>,
     /// Its `x-priority` and `x-tenant` headers, if it had them (overload workload).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -262,14 +266,23 @@ pub async fn exchange_with(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("text/event-stream"));
     let mut ttft = None;
+    let mut last_chunk = 0.0;
+    let mut itl = Vec::new();
     let mut bytes = Vec::new();
     let mut stream = resp.bytes_stream();
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| format!("the answer broke off: {e}"))?;
-        if ttft.is_none() && !chunk.is_empty() {
-            ttft = Some(start.elapsed().as_secs_f64());
-            on_first_byte();
+        if chunk.is_empty() {
+            continue;
         }
+        let now = start.elapsed().as_secs_f64();
+        if ttft.is_none() {
+            ttft = Some(now);
+            on_first_byte();
+        } else {
+            itl.push(now - last_chunk);
+        }
+        last_chunk = now;
         bytes.extend_from_slice(&chunk);
     }
     let e2e = start.elapsed().as_secs_f64();
@@ -278,6 +291,7 @@ pub async fn exchange_with(
         status,
         ttft: if streamed { ttft.unwrap_or(e2e) } else { e2e },
         e2e,
+        itl: if streamed { itl } else { Vec::new() },
         ..Sample::default()
     };
     let text = String::from_utf8_lossy(&bytes);

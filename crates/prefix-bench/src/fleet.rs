@@ -15,20 +15,30 @@ pub struct Counters {
     pub queries: f64,
     /// Finished requests, per server.
     pub finished: Vec<f64>,
+    /// Prefix-cache hits and queries (tokens), per server.
+    pub server_hits: Vec<f64>,
+    pub server_queries: Vec<f64>,
+    /// Prompt tokens pulled from other servers (vLLM's KV connector), per server.
+    pub pulled: Vec<f64>,
 }
 
 impl Counters {
     /// What happened between `before` and `self`.
     pub fn since(&self, before: &Counters) -> Counters {
+        let minus = |after: &[f64], before: &[f64]| -> Vec<f64> {
+            after
+                .iter()
+                .zip(before.iter().chain(std::iter::repeat(&0.0)))
+                .map(|(a, b)| a - b)
+                .collect()
+        };
         Counters {
             hits: self.hits - before.hits,
             queries: self.queries - before.queries,
-            finished: self
-                .finished
-                .iter()
-                .zip(before.finished.iter().chain(std::iter::repeat(&0.0)))
-                .map(|(a, b)| a - b)
-                .collect(),
+            finished: minus(&self.finished, &before.finished),
+            server_hits: minus(&self.server_hits, &before.server_hits),
+            server_queries: minus(&self.server_queries, &before.server_queries),
+            pulled: minus(&self.pulled, &before.pulled),
         }
     }
 }
@@ -158,9 +168,16 @@ impl BenchFleet {
                     .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
                     .sum()
             };
-            c.hits += sum("vllm:prefix_cache_hits_total");
-            c.queries += sum("vllm:prefix_cache_queries_total");
+            let (hits, queries) = (
+                sum("vllm:prefix_cache_hits_total"),
+                sum("vllm:prefix_cache_queries_total"),
+            );
+            c.hits += hits;
+            c.queries += queries;
+            c.server_hits.push(hits);
+            c.server_queries.push(queries);
             c.finished.push(sum("vllm:request_success_total"));
+            c.pulled.push(sum("vllm:external_prefix_cache_hits_total"));
         }
         Ok(c)
     }

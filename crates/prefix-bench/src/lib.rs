@@ -164,6 +164,11 @@ pub struct CompareArgs {
         allow_hyphen_values = true
     )]
     pub queue_args: String,
+    /// A disaggregated fleet: the first N servers prefill, the rest decode (our routers get
+    /// their roles, vllm-router runs its P/D mode, `cost+aggregated` ignores the roles as the
+    /// control; the sims speak vLLM's NixlConnector protocol). 0: an aggregated fleet.
+    #[arg(long, default_value_t = 0)]
+    pub pd_prefill: usize,
     /// Our routers' log filter (`--log` of `serve`; each router logs to its own file in
     /// `--out`), e.g. `warn,prefix_router::decision=debug` to keep every routing decision.
     #[arg(long, default_value = "warn")]
@@ -417,6 +422,14 @@ async fn measure(
     let counters = fleet.counters(client).await?.since(&before);
     report::write_requests(out, system.name(), &driven.samples)?;
     let mut figures = report::figures(&driven.samples, &counters, driven.wall.as_secs_f64());
+    if args.pd_prefill > 0 {
+        let answered = driven.samples.iter().filter(|s| s.ok).count();
+        figures.pd = Some(report::PdFigures::from_counters(
+            &counters,
+            args.pd_prefill,
+            answered,
+        ));
+    }
     if ours {
         let routers_after = scrape_all(client, &launched.urls).await;
         let errors = histogram_delta(
@@ -572,7 +585,11 @@ pub async fn compare(mut args: CompareArgs, router_exe: PathBuf) -> anyhow::Resu
     let _ = std::fs::remove_dir_all(args.out.join("requests"));
     let mut fleet = start_fleet(&mut args).await?;
     let systems: Vec<System> = if args.systems.is_empty() {
-        systems::ALL.to_vec()
+        // The aggregated control is `cost` itself unless the fleet is disaggregated.
+        systems::ALL
+            .into_iter()
+            .filter(|&s| s != System::CostAggregated || args.pd_prefill > 0)
+            .collect()
     } else {
         args.systems
             .iter()
@@ -620,6 +637,7 @@ pub async fn compare(mut args: CompareArgs, router_exe: PathBuf) -> anyhow::Resu
             .map(str::to_owned)
             .collect(),
         router_log: args.router_log.clone(),
+        pd_prefill: args.pd_prefill,
     };
     let workload = workload_name(&args.workload);
     let title = format!("{workload}: {fleet_name}");

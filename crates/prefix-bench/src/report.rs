@@ -35,6 +35,11 @@ pub struct Figures {
     pub ttft_p99_ms: f64,
     pub ttft_mean_ms: f64,
     pub e2e_p50_ms: f64,
+    /// Streams: gaps between successive chunks of an answer (inter-token latency), over every
+    /// gap of every request; and the mean time per output token after the first.
+    pub itl_p50_ms: f64,
+    pub itl_p99_ms: f64,
+    pub tpot_mean_ms: f64,
     pub throughput_rps: f64,
     pub output_tps: f64,
     /// Max ÷ mean requests per backend.
@@ -60,9 +65,47 @@ pub struct Figures {
     /// tables and heartbeats, compressed).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bus_bytes_per_decision: Option<f64>,
+    /// Disaggregated fleets (`--pd-prefill`): what the prefill and decode pools did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pd: Option<PdFigures>,
     /// By priority and by tenant, where requests carried them (the overload workload).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub classes: Vec<ClassFigures>,
+}
+
+/// A disaggregated fleet's pools over a run, from the servers' own counters.
+#[derive(Clone, Debug, Serialize, Default)]
+pub struct PdFigures {
+    /// Requests the prefill servers answered (prefill calls) ÷ requests answered: transfers
+    /// per request.
+    pub prefills_per_request: f64,
+    /// Prompt tokens the decode servers pulled from the prefill servers ÷ the tokens they were
+    /// asked.
+    pub pulled_share: f64,
+    /// Prefix-cache hit rates (tokens) of each pool.
+    pub prefill_hit_rate: f64,
+    pub decode_hit_rate: f64,
+}
+
+impl PdFigures {
+    /// From the counters of a fleet whose first `prefill_servers` servers prefill.
+    pub fn from_counters(counters: &Counters, prefill_servers: usize, answered: usize) -> Self {
+        let split = |v: &[f64]| -> (f64, f64) {
+            let p = prefill_servers.min(v.len());
+            (v[..p].iter().sum(), v[p..].iter().sum())
+        };
+        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+        let (prefill_calls, _) = split(&counters.finished);
+        let (prefill_hits, decode_hits) = split(&counters.server_hits);
+        let (prefill_queries, decode_queries) = split(&counters.server_queries);
+        let (_, pulled) = split(&counters.pulled);
+        PdFigures {
+            prefills_per_request: ratio(prefill_calls, answered as f64),
+            pulled_share: ratio(pulled, decode_queries),
+            prefill_hit_rate: ratio(prefill_hits, prefill_queries),
+            decode_hit_rate: ratio(decode_hits, decode_queries),
+        }
+    }
 }
 
 /// The figures of one class of requests: one priority, or one tenant within a priority.
@@ -163,6 +206,15 @@ pub fn figures(samples: &[Sample], counters: &Counters, wall_secs: f64) -> Figur
     let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
     let ttft: Vec<f64> = ok.iter().map(|s| s.ttft * 1e3).collect();
     let e2e: Vec<f64> = ok.iter().map(|s| s.e2e * 1e3).collect();
+    let itl: Vec<f64> = ok
+        .iter()
+        .flat_map(|s| s.itl.iter().map(|g| g * 1e3))
+        .collect();
+    let tpot: Vec<f64> = ok
+        .iter()
+        .filter(|s| s.completion_tokens > 1 && !s.itl.is_empty())
+        .map(|s| (s.e2e - s.ttft) * 1e3 / (s.completion_tokens - 1) as f64)
+        .collect();
     let prompt: u64 = ok.iter().map(|s| s.prompt_tokens).sum();
     let cached: u64 = ok.iter().map(|s| s.cached_tokens).sum();
     let output: u64 = ok.iter().map(|s| s.completion_tokens).sum();
@@ -186,6 +238,9 @@ pub fn figures(samples: &[Sample], counters: &Counters, wall_secs: f64) -> Figur
         ttft_p99_ms: percentile(&ttft, 99.0),
         ttft_mean_ms: mean(&ttft),
         e2e_p50_ms: percentile(&e2e, 50.0),
+        itl_p50_ms: percentile(&itl, 50.0),
+        itl_p99_ms: percentile(&itl, 99.0),
+        tpot_mean_ms: mean(&tpot),
         throughput_rps: ok.len() as f64 / wall_secs.max(1e-9),
         output_tps: output as f64 / wall_secs.max(1e-9),
         imbalance: if mean_load > 0.0 {
@@ -208,18 +263,18 @@ pub fn markdown(results: &[SystemResult]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "| system | hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TTFT mean ms | e2e p50 ms | req/s | out tok/s | imbalance | errors | overhead p50 ms | overhead p99 ms | added p50/p99 ms | max req/s | CPU ms/req | TTFT prediction error p50 |"
+        "| system | hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TTFT mean ms | e2e p50 ms | ITL p50/p99 ms | req/s | out tok/s | imbalance | errors | overhead p50 ms | overhead p99 ms | added p50/p99 ms | max req/s | CPU ms/req | TTFT prediction error p50 |"
     );
     let _ = writeln!(
         out,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
     for r in results {
         match &r.figures {
             None => {
                 let _ = writeln!(
                     out,
-                    "| {} | skipped: {} |||||||||||||||",
+                    "| {} | skipped: {} ||||||||||||||||",
                     r.name,
                     r.reason.as_deref().unwrap_or("")
                 );
@@ -227,7 +282,7 @@ pub fn markdown(results: &[SystemResult]) -> String {
             Some(f) => {
                 let _ = writeln!(
                     out,
-                    "| {} | {:.3} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.2} | {} | {} | {} | {} | {} | {} | {} |",
+                    "| {} | {:.3} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1}/{:.1} | {:.1} | {:.0} | {:.2} | {} | {} | {} | {} | {} | {} | {} |",
                     r.name,
                     f.hit_rate,
                     f.ttft_p50_ms,
@@ -235,6 +290,8 @@ pub fn markdown(results: &[SystemResult]) -> String {
                     f.ttft_p99_ms,
                     f.ttft_mean_ms,
                     f.e2e_p50_ms,
+                    f.itl_p50_ms,
+                    f.itl_p99_ms,
                     f.throughput_rps,
                     f.output_tps,
                     f.imbalance,
@@ -251,6 +308,19 @@ pub fn markdown(results: &[SystemResult]) -> String {
                         .map_or("–".into(), |v| format!("≤ {:.0} %", v * 100.0)),
                 );
             }
+        }
+    }
+    for r in results {
+        if let Some(pd) = r.figures.as_ref().and_then(|f| f.pd.as_ref()) {
+            let _ = writeln!(
+                out,
+                "\n{}: {:.2} prefill calls per request, {:.0} % of the decode servers' prompt tokens pulled, hit rate {:.3} on the prefill servers and {:.3} on the decode servers.",
+                r.name,
+                pd.prefills_per_request,
+                pd.pulled_share * 100.0,
+                pd.prefill_hit_rate,
+                pd.decode_hit_rate
+            );
         }
     }
     for r in results {
@@ -399,6 +469,7 @@ mod tests {
             hits: 30.0,
             queries: 40.0,
             finished: vec![6.0, 3.0],
+            ..Counters::default()
         };
         let f = figures(&samples, &counters, 2.0);
         assert_eq!(f.errors, 1);
@@ -408,6 +479,48 @@ mod tests {
         assert_eq!(f.imbalance, 6.0 / 4.5);
         assert_eq!(f.throughput_rps, 4.5);
         assert_eq!(f.output_tps, 45.0);
+    }
+
+    #[test]
+    fn inter_token_latency_is_every_gap_of_every_stream() {
+        let sample = |itl: Vec<f64>| Sample {
+            ok: true,
+            ttft: 0.01,
+            e2e: 0.01 + itl.iter().sum::<f64>(),
+            completion_tokens: itl.len() as u64 + 1,
+            itl,
+            ..Sample::default()
+        };
+        // 98 gaps of 1 ms and two of 101 ms.
+        let mut gaps = vec![0.001; 48];
+        gaps.extend([0.101, 0.101]);
+        let samples = vec![sample(gaps), sample(vec![0.001; 50])];
+        let f = figures(&samples, &Counters::default(), 1.0);
+        assert!((f.itl_p50_ms - 1.0).abs() < 1e-9);
+        assert!(
+            f.itl_p99_ms > 50.0 && f.itl_p99_ms <= 101.0,
+            "{}",
+            f.itl_p99_ms
+        );
+        // Per request: (48 + 202) / 50 = 5 ms and 1 ms.
+        assert!((f.tpot_mean_ms - 3.0).abs() < 1e-9, "{}", f.tpot_mean_ms);
+    }
+
+    #[test]
+    fn pools_of_a_disaggregated_fleet_are_read_apart() {
+        // Servers 0 and 1 prefill, 2 and 3 decode.
+        let counters = Counters {
+            finished: vec![3.0, 2.0, 4.0, 6.0],
+            server_hits: vec![10.0, 10.0, 30.0, 0.0],
+            server_queries: vec![100.0, 100.0, 100.0, 100.0],
+            pulled: vec![0.0, 0.0, 50.0, 50.0],
+            ..Counters::default()
+        };
+        let pd = PdFigures::from_counters(&counters, 2, 10);
+        assert_eq!(pd.prefills_per_request, 0.5);
+        assert_eq!(pd.pulled_share, 0.5);
+        assert_eq!(pd.prefill_hit_rate, 0.1);
+        assert_eq!(pd.decode_hit_rate, 0.15);
     }
 
     #[test]

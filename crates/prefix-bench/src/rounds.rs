@@ -115,6 +115,8 @@ pub struct SystemSummary {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ttft_p99_ms_interval: Option<Interval>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub itl_p99_ms_interval: Option<Interval>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub hit_rate_interval: Option<Interval>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub throughput_rps_interval: Option<Interval>,
@@ -226,6 +228,7 @@ pub fn summarize(rounds: &[Vec<SystemResult>]) -> Vec<SystemSummary> {
                 figures: median_round,
                 ttft_mean_ms_interval: mean_interval,
                 ttft_p99_ms_interval: interval(&metric(&figs, |f| f.ttft_p99_ms)),
+                itl_p99_ms_interval: interval(&metric(&figs, |f| f.itl_p99_ms)),
                 hit_rate_interval: interval(&metric(&figs, |f| f.hit_rate)),
                 throughput_rps_interval: interval(&metric(&figs, |f| f.throughput_rps)),
                 vs_best_peer: ratio(name, &best_peer),
@@ -261,14 +264,14 @@ fn ratio_cell(r: &Option<Ratio>) -> String {
 pub fn markdown(summaries: &[SystemSummary], rounds: usize) -> String {
     let mut out = format!(
         "Medians over {rounds} round(s), 95 % intervals in parentheses; ratios of mean TTFT, round by round.\n\n\
-         | system | mean TTFT ms | p99 TTFT ms | hit rate | req/s | ÷ best peer | ÷ oracle | ÷ best of ours |\n\
-         |---|---|---|---|---|---|---|---|\n"
+         | system | mean TTFT ms | p99 TTFT ms | p99 ITL ms | hit rate | req/s | ÷ best peer | ÷ oracle | ÷ best of ours |\n\
+         |---|---|---|---|---|---|---|---|---|\n"
     );
     for s in summaries {
         if s.skipped {
             let _ = writeln!(
                 out,
-                "| {} | skipped: {} | | | | | | |",
+                "| {} | skipped: {} | | | | | | | |",
                 s.name,
                 s.reason.as_deref().unwrap_or("")
             );
@@ -276,10 +279,11 @@ pub fn markdown(summaries: &[SystemSummary], rounds: usize) -> String {
         }
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             s.name,
             cell(&s.ttft_mean_ms_interval, 1),
             cell(&s.ttft_p99_ms_interval, 1),
+            cell(&s.itl_p99_ms_interval, 1),
             cell(&s.hit_rate_interval, 3),
             cell(&s.throughput_rps_interval, 1),
             ratio_cell(&s.vs_best_peer),

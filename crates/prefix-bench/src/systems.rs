@@ -25,6 +25,7 @@ pub enum System {
     PrefixLoadEvents,
     PrefixLoadEventsReplicas,
     Cost,
+    CostAggregated,
     CostEvents,
     CostQueue,
     CostReplicas,
@@ -34,7 +35,7 @@ pub enum System {
     VllmRouter,
 }
 
-pub const ALL: [System; 18] = [
+pub const ALL: [System; 19] = [
     System::RoundRobin,
     System::LeastLoaded,
     System::Prefix,
@@ -46,6 +47,7 @@ pub const ALL: [System; 18] = [
     System::PrefixLoadEvents,
     System::PrefixLoadEventsReplicas,
     System::Cost,
+    System::CostAggregated,
     System::CostEvents,
     System::CostQueue,
     System::CostReplicas,
@@ -69,6 +71,7 @@ impl System {
             System::PrefixLoadEvents => "prefix_load+events",
             System::PrefixLoadEventsReplicas => "prefix_load+events+replicas",
             System::Cost => "cost",
+            System::CostAggregated => "cost+aggregated",
             System::CostEvents => "cost+events",
             System::CostQueue => "cost+queue",
             System::CostReplicas => "cost+replicas",
@@ -136,6 +139,8 @@ pub struct LaunchContext {
     pub queue_args: Vec<String>,
     /// Our routers' `--log` filter.
     pub router_log: String,
+    /// A disaggregated fleet: the first this many servers prefill, the rest decode (0: none).
+    pub pd_prefill: usize,
 }
 
 impl LaunchContext {
@@ -234,6 +239,7 @@ impl LaunchContext {
         policy: &str,
         extra: &[String],
         events: bool,
+        roles: bool,
     ) -> Result<Vec<String>, Skipped> {
         let mut args = vec![
             "serve".into(),
@@ -253,6 +259,14 @@ impl LaunchContext {
         let mut config = String::new();
         for (i, url) in self.sims.iter().enumerate() {
             config.push_str(&format!("[[backends]]\nurl = {url:?}\n"));
+            if roles && self.pd_prefill > 0 {
+                let role = if i < self.pd_prefill {
+                    "prefill"
+                } else {
+                    "decode"
+                };
+                config.push_str(&format!("role = {role:?}\n"));
+            }
             if events {
                 let endpoint = self.kv_events.get(i).ok_or_else(|| {
                     Skipped("the servers publish no KV events (sims: --sim-args '--kv-events --tokenizer DIR')".into())
@@ -294,7 +308,8 @@ impl LaunchContext {
         Ok(args)
     }
 
-    /// Starts one of our routers and waits until it sees every sim.
+    /// Starts one of our routers and waits until it sees every sim; in a disaggregated fleet
+    /// it knows the servers' roles.
     async fn router(
         &self,
         client: &reqwest::Client,
@@ -303,13 +318,26 @@ impl LaunchContext {
         extra: &[String],
         events: bool,
     ) -> Result<(String, Child), Skipped> {
+        self.router_with_roles(client, name, policy, extra, events, true)
+            .await
+    }
+
+    async fn router_with_roles(
+        &self,
+        client: &reqwest::Client,
+        name: &str,
+        policy: &str,
+        extra: &[String],
+        events: bool,
+        roles: bool,
+    ) -> Result<(String, Child), Skipped> {
         let port = free_port().map_err(|e| Skipped(e.to_string()))?;
         let log = self
             .work_dir
             .join(format!("{}-{port}.log", name.replace('+', "_")));
         let child = spawn(
             &self.router_exe,
-            &self.router_args(port, policy, extra, events)?,
+            &self.router_args(port, policy, extra, events, roles)?,
             &log,
         )?;
         let url = format!("http://127.0.0.1:{port}");
@@ -406,6 +434,11 @@ impl LaunchContext {
         system: System,
     ) -> Result<(String, Child), Skipped> {
         let name = system.name();
+        if self.pd_prefill > 0 && system != System::VllmRouter {
+            return Err(Skipped(
+                "its P/D mode speaks SGLang's bootstrap protocol, not vLLM's NixlConnector".into(),
+            ));
+        }
         let bin = self.peer_bin(name).await?;
         let port = free_port().map_err(|e| Skipped(e.to_string()))?;
         let metrics_port = free_port().map_err(|e| Skipped(e.to_string()))?;
@@ -418,9 +451,27 @@ impl LaunchContext {
             "127.0.0.1".into(),
             "--port".into(),
             port.to_string(),
-            "--worker-urls".into(),
         ]);
-        args.extend(self.sims.iter().cloned());
+        if self.pd_prefill > 0 {
+            // vllm-router's P/D mode: a prefill call, then the decode call with the transfer
+            // parameters, as ours.
+            args.extend([
+                "--vllm-pd-disaggregation".into(),
+                "--kv-connector".into(),
+                "nixl".into(),
+            ]);
+            for (i, url) in self.sims.iter().enumerate() {
+                let role = if i < self.pd_prefill {
+                    "--prefill"
+                } else {
+                    "--decode"
+                };
+                args.extend([role.into(), url.clone()]);
+            }
+        } else {
+            args.push("--worker-urls".into());
+            args.extend(self.sims.iter().cloned());
+        }
         args.extend([
             "--policy".into(),
             "cache_aware".into(),
@@ -467,6 +518,15 @@ impl LaunchContext {
             | System::Cost => {
                 let policy = system.name();
                 let (url, child) = self.router(client, policy, policy, &[], false).await?;
+                router_pids.extend(child.id());
+                urls.push(url);
+                children.push(child);
+            }
+            System::CostAggregated => {
+                // The control of a disaggregated fleet: every server prefills and decodes.
+                let (url, child) = self
+                    .router_with_roles(client, system.name(), "cost", &[], false, false)
+                    .await?;
                 router_pids.extend(child.id());
                 urls.push(url);
                 children.push(child);
