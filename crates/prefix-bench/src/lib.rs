@@ -422,7 +422,8 @@ async fn measure(
     let counters = fleet.counters(client).await?.since(&before);
     report::write_requests(out, system.name(), &driven.samples)?;
     let mut figures = report::figures(&driven.samples, &counters, driven.wall.as_secs_f64());
-    if args.pd_prefill > 0 {
+    // The pools' figures of the systems that disaggregate (the others answer on every server).
+    if args.pd_prefill > 0 && !matches!(system, System::CostAggregated | System::Oracle) {
         let answered = driven.samples.iter().filter(|s| s.ok).count();
         figures.pd = Some(report::PdFigures::from_counters(
             &counters,
@@ -438,6 +439,20 @@ async fn measure(
             "prefix_router_ttft_prediction_error",
         );
         figures.ttft_prediction_error_p50 = bucket_quantile(&errors, 0.5);
+        if let Some(pd) = &mut figures.pd {
+            let decisions = |filter| {
+                counter_delta(
+                    &routers_before,
+                    &routers_after,
+                    "prefix_router_routing_decisions_total",
+                    filter,
+                )
+            };
+            let all = decisions("");
+            if all > 0.0 {
+                pd.skipped_cached_share = Some(decisions("reason=\"pd_skip_cached\"") / all);
+            }
+        }
         let sent =
             |name| counter_delta(&routers_before, &routers_after, name, "direction=\"sent\"");
         let decisions = sent("prefix_router_replica_bus_decisions_total");

@@ -85,6 +85,10 @@ pub struct PdFigures {
     /// Prefix-cache hit rates (tokens) of each pool.
     pub prefill_hit_rate: f64,
     pub decode_hit_rate: f64,
+    /// Our routers: requests whose decode server lacked at most `--pd-threshold` tokens, and
+    /// so were not disaggregated, ÷ requests routed (from their decisions counter).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped_cached_share: Option<f64>,
 }
 
 impl PdFigures {
@@ -104,6 +108,7 @@ impl PdFigures {
             pulled_share: ratio(pulled, decode_queries),
             prefill_hit_rate: ratio(prefill_hits, prefill_queries),
             decode_hit_rate: ratio(decode_hits, decode_queries),
+            skipped_cached_share: None,
         }
     }
 }
@@ -314,12 +319,16 @@ pub fn markdown(results: &[SystemResult]) -> String {
         if let Some(pd) = r.figures.as_ref().and_then(|f| f.pd.as_ref()) {
             let _ = writeln!(
                 out,
-                "\n{}: {:.2} prefill calls per request, {:.0} % of the decode servers' prompt tokens pulled, hit rate {:.3} on the prefill servers and {:.3} on the decode servers.",
+                "\n{}: {:.2} prefill calls per request, {:.0} % of the decode servers' prompt tokens pulled, hit rate {:.3} on the prefill servers and {:.3} on the decode servers{}.",
                 r.name,
                 pd.prefills_per_request,
                 pd.pulled_share * 100.0,
                 pd.prefill_hit_rate,
-                pd.decode_hit_rate
+                pd.decode_hit_rate,
+                pd.skipped_cached_share.map_or(String::new(), |s| format!(
+                    "; {:.0} % of requests decoded where their prompt was held (no prefill call)",
+                    s * 100.0
+                )),
             );
         }
     }
