@@ -231,6 +231,16 @@ impl LaunchContext {
         ]
     }
 
+    /// Server `i`'s role in a disaggregated fleet (`prefill` or `decode`), None in an
+    /// aggregated one.
+    fn role_of(&self, i: usize) -> Option<&'static str> {
+        match self.pd_prefill {
+            0 => None,
+            n if i < n => Some("prefill"),
+            _ => Some("decode"),
+        }
+    }
+
     /// The flags of one of our routers; its backends go in a config file (with their KV-event
     /// publishers when `events`, and a capacity when it is to be wrong).
     fn router_args(
@@ -259,12 +269,7 @@ impl LaunchContext {
         let mut config = String::new();
         for (i, url) in self.sims.iter().enumerate() {
             config.push_str(&format!("[[backends]]\nurl = {url:?}\n"));
-            if roles && self.pd_prefill > 0 {
-                let role = if i < self.pd_prefill {
-                    "prefill"
-                } else {
-                    "decode"
-                };
+            if let Some(role) = self.role_of(i).filter(|_| roles) {
                 config.push_str(&format!("role = {role:?}\n"));
             }
             if events {
@@ -461,12 +466,8 @@ impl LaunchContext {
                 "nixl".into(),
             ]);
             for (i, url) in self.sims.iter().enumerate() {
-                let role = if i < self.pd_prefill {
-                    "--prefill"
-                } else {
-                    "--decode"
-                };
-                args.extend([role.into(), url.clone()]);
+                let role = self.role_of(i).unwrap_or("decode");
+                args.extend([format!("--{role}"), url.clone()]);
             }
         } else {
             args.push("--worker-urls".into());

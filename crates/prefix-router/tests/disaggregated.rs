@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use axum::routing::post;
 use common::envoy::{body_message, picker, request_headers, Gateway};
-use common::{eventually, fleet, instant, metric, router, serve_loopback, text};
+use common::{eventually, fake_backend_of, fleet, instant, metric, router, text};
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response;
 use serde_json::{json, Value};
 
@@ -113,21 +113,10 @@ async fn a_short_prompt_is_decoded_where_it_lands_without_a_transfer() {
     assert_eq!(metric(&p, "vllm:request_success_total", "").await, 0.0);
 }
 
-/// A stand-in server of `sim-model`: `completions` plus the routes the router polls.
+/// A stand-in server of `sim-model` (the sims' model): `completions` plus the routes the router
+/// polls.
 async fn stand_in(completions: axum::Router) -> String {
-    use axum::routing::get;
-    let app = completions
-        .route("/health", get(|| async { "ok" }))
-        .route("/metrics", get(|| async { "" }))
-        .route(
-            "/v1/models",
-            get(|| async {
-                axum::Json(
-                    json!({"object": "list", "data": [{"id": "sim-model", "object": "model"}]}),
-                )
-            }),
-        );
-    serve_loopback(app).await
+    fake_backend_of("sim-model", completions).await
 }
 
 /// A prefill server that answers completions with `answer` after `delay`, counting calls, and

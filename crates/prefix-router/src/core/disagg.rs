@@ -182,7 +182,20 @@ mod tests {
         }
     }
 
-    const SETTINGS: PdSettings = PdSettings { threshold: 512 };
+    /// The plan for a 4,000-token request with the default threshold.
+    fn plan(
+        decode: &CandidateRow,
+        prefill: &[Arc<Backend>],
+        rows: &[CandidateRow],
+    ) -> (PdOutcome, Option<PrefillPlan>) {
+        plan_prefill(
+            &policy(),
+            PdSettings { threshold: 512 },
+            decode,
+            (prefill, rows),
+            &known(4000, 0),
+        )
+    }
 
     #[test]
     fn roles_parse_as_llm_d_labels_them() {
@@ -201,25 +214,13 @@ mod tests {
         let p = backends(2);
         let prefill_rows = lined(rows(2));
         // 4,000 tokens, 3,600 held: 400 to compute, under the threshold.
-        let (outcome, plan) = plan_prefill(
-            &policy(),
-            SETTINGS,
-            &decode,
-            (&p, &prefill_rows),
-            &known(4000, 0),
-        );
-        assert_eq!((outcome, plan.is_none()), (PdOutcome::SkipCached, true));
+        let (outcome, planned) = plan(&decode, &p, &prefill_rows);
+        assert_eq!((outcome, planned.is_none()), (PdOutcome::SkipCached, true));
         // 3,000 held: 1,000 to compute, over it: a prefill server computes it.
         let decode = lined(matched(rows(1), &[3000])).remove(0);
-        let (outcome, plan) = plan_prefill(
-            &policy(),
-            SETTINGS,
-            &decode,
-            (&p, &prefill_rows),
-            &known(4000, 0),
-        );
+        let (outcome, planned) = plan(&decode, &p, &prefill_rows);
         assert_eq!(outcome, PdOutcome::Disaggregated);
-        assert_eq!(plan.unwrap().order.len(), 2);
+        assert_eq!(planned.unwrap().order.len(), 2);
     }
 
     #[test]
@@ -228,16 +229,10 @@ mod tests {
         let p = backends(3);
         // Prefill server 2 holds 3,000 of the 4,000 tokens.
         let prefill_rows = lined(matched(rows(3), &[0, 0, 3000]));
-        let (_, plan) = plan_prefill(
-            &policy(),
-            SETTINGS,
-            &decode,
-            (&p, &prefill_rows),
-            &known(4000, 0),
-        );
-        let plan = plan.unwrap();
-        assert_eq!(plan.order[0].url(), p[2].url());
-        assert_eq!(plan.uncached[0], 1000);
+        let (_, planned) = plan(&decode, &p, &prefill_rows);
+        let planned = planned.unwrap();
+        assert_eq!(planned.order[0].url(), p[2].url());
+        assert_eq!(planned.uncached[0], 1000);
     }
 
     #[test]
@@ -251,33 +246,23 @@ mod tests {
             r.queued_prefill_tokens = 20_000;
             r.waiting_first_byte = 3;
         }
-        let (outcome, _) = plan_prefill(
-            &policy(),
-            SETTINGS,
-            &decode,
-            (&p, &prefill_rows),
-            &known(4000, 0),
-        );
+        let (outcome, _) = plan(&decode, &p, &prefill_rows);
         assert_eq!(outcome, PdOutcome::SkipSaturated);
         // One prefill server with room: disaggregated.
         prefill_rows[1].queued_prefill_tokens = 0;
         prefill_rows[1].waiting_first_byte = 0;
-        let (outcome, plan) = plan_prefill(
-            &policy(),
-            SETTINGS,
-            &decode,
-            (&p, &prefill_rows),
-            &known(4000, 0),
-        );
+        let (outcome, planned) = plan(&decode, &p, &prefill_rows);
         assert_eq!(outcome, PdOutcome::Disaggregated);
-        assert_eq!(plan.unwrap().order[0].url(), p[1].url());
+        assert_eq!(planned.unwrap().order[0].url(), p[1].url());
     }
 
     #[test]
     fn without_prefill_servers_the_decode_server_prefills() {
         let decode = lined(rows(1)).remove(0);
-        let (outcome, plan) =
-            plan_prefill(&policy(), SETTINGS, &decode, (&[], &[]), &known(4000, 0));
-        assert_eq!((outcome, plan.is_none()), (PdOutcome::SkipNoPrefill, true));
+        let (outcome, planned) = plan(&decode, &[], &[]);
+        assert_eq!(
+            (outcome, planned.is_none()),
+            (PdOutcome::SkipNoPrefill, true)
+        );
     }
 }

@@ -165,15 +165,20 @@ pub async fn serve_loopback(app: axum::Router) -> String {
 /// A stand-in backend serving `fake-model`: `completions` (the test's own routes, which
 /// record what they receive) plus the health, metrics and models routes the router polls.
 pub async fn fake_backend(completions: axum::Router) -> String {
+    fake_backend_of("fake-model", completions).await
+}
+
+/// [`fake_backend`] serving `model`.
+pub async fn fake_backend_of(model: &'static str, completions: axum::Router) -> String {
     use axum::routing::get;
     let app = completions
         .route("/health", get(|| async { "ok" }))
         .route("/metrics", get(|| async { "" }))
         .route(
             "/v1/models",
-            get(|| async {
+            get(move || async move {
                 axum::Json(serde_json::json!(
-                    {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+                    {"object": "list", "data": [{"id": model, "object": "model"}]}
                 ))
             }),
         );
