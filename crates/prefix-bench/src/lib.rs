@@ -169,6 +169,9 @@ pub struct CompareArgs {
     /// control; the sims speak vLLM's NixlConnector protocol). 0: an aggregated fleet.
     #[arg(long, default_value_t = 0)]
     pub pd_prefill: usize,
+    /// More flags for every one of our routers (e.g. `--pd-threshold 128`).
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    pub router_args: String,
     /// Our routers' log filter (`--log` of `serve`; each router logs to its own file in
     /// `--out`), e.g. `warn,prefix_router::decision=debug` to keep every routing decision.
     #[arg(long, default_value = "warn")]
@@ -653,6 +656,11 @@ pub async fn compare(mut args: CompareArgs, router_exe: PathBuf) -> anyhow::Resu
             .collect(),
         router_log: args.router_log.clone(),
         pd_prefill: args.pd_prefill,
+        router_args: args
+            .router_args
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect(),
     };
     let workload = workload_name(&args.workload);
     let title = format!("{workload}: {fleet_name}");

@@ -141,6 +141,8 @@ pub struct LaunchContext {
     pub router_log: String,
     /// A disaggregated fleet: the first this many servers prefill, the rest decode (0: none).
     pub pd_prefill: usize,
+    /// More flags for every one of our routers (`--router-args`).
+    pub router_args: Vec<String>,
 }
 
 impl LaunchContext {
@@ -310,6 +312,7 @@ impl LaunchContext {
             ]);
         }
         args.extend(extra.iter().cloned());
+        args.extend(self.router_args.iter().cloned());
         Ok(args)
     }
 
