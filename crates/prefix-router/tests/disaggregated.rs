@@ -10,9 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::routing::post;
-use common::envoy::{body_message, picker, request_headers, Gateway};
+use common::envoy::{body_message, mutation, picker, request_headers, Gateway};
 use common::{eventually, fake_backend_of, fleet, instant, metric, router, text};
-use envoy_types::pb::envoy::service::ext_proc::v3::processing_response;
 use serde_json::{json, Value};
 
 /// A streamed completion of `prompt`: its status and the text of its answer.
@@ -299,32 +298,11 @@ async fn the_picker_names_the_prefiller_for_the_decode_pods_sidecar() {
             .unwrap()
     };
     let header = |answer: &_| -> (String, Option<String>, bool) {
-        let answer: &envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse = answer;
-        let Some(processing_response::Response::RequestHeaders(h)) = &answer.response else {
-            panic!("expected the headers' answer: {answer:?}");
-        };
-        let mutation = h
-            .response
-            .as_ref()
-            .unwrap()
-            .header_mutation
-            .as_ref()
-            .unwrap();
-        let get = |name: &str| {
-            mutation
-                .set_headers
-                .iter()
-                .filter_map(|o| o.header.as_ref())
-                .find(|h| h.key == name)
-                .map(|h| String::from_utf8(h.raw_value.clone()).unwrap())
-        };
+        let (set, removed) = mutation(answer);
         (
-            get("x-gateway-destination-endpoint").unwrap(),
-            get("x-prefiller-host-port"),
-            mutation
-                .remove_headers
-                .iter()
-                .any(|h| h == "x-prefiller-host-port"),
+            set["x-gateway-destination-endpoint"].clone(),
+            set.get("x-prefiller-host-port").cloned(),
+            removed.iter().any(|h| h == "x-prefiller-host-port"),
         )
     };
     let host = |u: &str| u.trim_start_matches("http://").to_owned();

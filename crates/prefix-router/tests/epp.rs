@@ -605,32 +605,6 @@ async fn tenants_keys_and_limits_hold_behind_the_gateway_too() {
     sims.shutdown().await;
 }
 
-/// The request headers' answer's header mutation: (set, removed).
-fn mutation(answer: &ProcessingResponse) -> (HashMap<String, String>, Vec<String>) {
-    let Some(processing_response::Response::RequestHeaders(h)) = &answer.response else {
-        panic!("expected the request headers' answer, got {answer:?}");
-    };
-    let m = h
-        .response
-        .as_ref()
-        .unwrap()
-        .header_mutation
-        .as_ref()
-        .unwrap();
-    let set = m
-        .set_headers
-        .iter()
-        .filter_map(|o| o.header.as_ref())
-        .map(|h| {
-            (
-                h.key.clone(),
-                String::from_utf8(h.raw_value.clone()).unwrap(),
-            )
-        })
-        .collect();
-    (set, m.remove_headers.clone())
-}
-
 /// A client's key is checked at its headers (a stranger's body is never buffered); the
 /// client's `Authorization` (this router's key) does not reach the backend, which gets its
 /// own key when one is configured.

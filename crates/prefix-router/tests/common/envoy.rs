@@ -288,3 +288,29 @@ pub struct Wrapper {
     #[command(flatten)]
     pub args: prefix_router::epp::EppArgs,
 }
+
+/// The request headers' answer's header mutation: (set, removed).
+pub fn mutation(answer: &ProcessingResponse) -> (HashMap<String, String>, Vec<String>) {
+    let Some(processing_response::Response::RequestHeaders(h)) = &answer.response else {
+        panic!("expected the request headers' answer, got {answer:?}");
+    };
+    let m = h
+        .response
+        .as_ref()
+        .unwrap()
+        .header_mutation
+        .as_ref()
+        .unwrap();
+    let set = m
+        .set_headers
+        .iter()
+        .filter_map(|o| o.header.as_ref())
+        .map(|h| {
+            (
+                h.key.clone(),
+                String::from_utf8(h.raw_value.clone()).unwrap(),
+            )
+        })
+        .collect();
+    (set, m.remove_headers.clone())
+}
