@@ -323,32 +323,3 @@ async fn the_picker_names_the_prefiller_for_the_decode_pods_sidecar() {
     assert_eq!(prefiller, None);
     assert!(removed);
 }
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_decode_server_waiting_for_a_remote_prefill_is_loaded_but_not_stalled() {
-    let sims = fleet(instant(), 1).await;
-    let d = sims.urls()[0].clone();
-    let calls = Arc::new(AtomicUsize::new(0));
-    let dropped = Arc::new(AtomicUsize::new(0));
-    let slow = prefill_stand_in(Duration::from_secs(20), 200, calls.clone(), dropped).await;
-    let (r, gw) = router(&[], &["--prefill", &slow, "--decode", &d]).await;
-    let url = r.url();
-    let request = tokio::spawn(async move { complete(&url, &text(8, 8_000)).await });
-    assert!(eventually(5, || async { calls.load(SeqCst) == 1 }).await);
-    let decode = gw
-        .core
-        .fleet
-        .all()
-        .iter()
-        .find(|b| b.url() == d)
-        .unwrap()
-        .clone();
-    let row = decode.row();
-    // Counted against the decode server (the load guard and the next decisions see it) ...
-    assert_eq!(row.inflight, 1);
-    // ... but not as a request waiting there for its prefill: its prompt is being computed
-    // elsewhere, and the decode server must not look stalled or queued meanwhile.
-    assert_eq!(row.waiting_first_byte, 0);
-    assert_eq!(row.queued_prefill_tokens, 0);
-    request.abort();
-}

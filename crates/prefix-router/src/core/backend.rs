@@ -536,13 +536,6 @@ impl InflightGuard {
         }
     }
 
-    /// Its prompt is computed on another server (a prefill server, disaggregated): it is in
-    /// flight here but waits in no prefill queue of this backend, and its wait does not make
-    /// this backend look stalled.
-    pub fn prefilled_elsewhere(&mut self) {
-        self.leave_prefill_queue();
-    }
-
     fn leave_prefill_queue(&self) {
         if self.in_prefill_queue.swap(false, Relaxed) {
             leave_prefill_queue(&self.backend, self.uncached, self.load_eased.as_deref());

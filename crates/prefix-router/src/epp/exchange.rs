@@ -286,7 +286,7 @@ impl Exchange {
         let backend = order[0].clone();
         let load_eased = permit.waker();
         let mut permit = Some(permit);
-        let mut guard = route::begin_attempt(
+        let guard = route::begin_attempt(
             &gw,
             Attempt {
                 backend: &backend,
@@ -306,9 +306,6 @@ impl Exchange {
             &mut permit,
         )
         .await;
-        if decision.prefill.is_some() {
-            guard.prefilled_elsewhere();
-        }
         // Disaggregated: the decode pod's sidecar asks this prefill server first (llm-d's
         // routing sidecar protocol), so it is counted and taught here.
         let prefill = decision
@@ -544,7 +541,7 @@ impl Picker {
         gw.metrics.count_retry(&sent.backend);
         drop(sent.guard.take());
         let backend = sent.order[at].clone();
-        let mut guard = route::begin_attempt(
+        let guard = route::begin_attempt(
             gw,
             Attempt {
                 backend: &backend,
@@ -563,9 +560,6 @@ impl Picker {
             &mut None,
         )
         .await;
-        if sent.prefilled {
-            guard.prefilled_elsewhere();
-        }
         sent.guard = Some(guard);
         sent.backend = backend;
     }

@@ -402,7 +402,7 @@ async fn forward(
         .into_response()
     };
     for (attempt, backend) in decision.order.into_iter().take(attempts).enumerate() {
-        let mut guard = begin_attempt(
+        let guard = begin_attempt(
             gw,
             Attempt {
                 backend: &backend,
@@ -430,26 +430,23 @@ async fn forward(
         // Disaggregated: a prefill server computes the prompt first (afresh for each decode
         // server tried: a failed decode's pull is released by the prefill server's lease).
         let attempt_body = match &decision.prefill {
-            Some(plan) => {
-                guard.prefilled_elsewhere();
-                disagg::prefill(
-                    gw,
-                    disagg::PrefillCall {
-                        plan,
-                        method: &parts.method,
-                        uri: &parts.uri,
-                        headers: &headers,
-                        body: &body,
-                        text_bytes,
-                        prompt: prompt.as_ref(),
-                        block_names: decision.block_names.as_ref(),
-                        span: span.as_ref(),
-                    },
-                )
-                .await
-                .and_then(|params| disagg::decode_body(&body, &params))
-                .unwrap_or_else(|| body.clone())
-            }
+            Some(plan) => disagg::prefill(
+                gw,
+                disagg::PrefillCall {
+                    plan,
+                    method: &parts.method,
+                    uri: &parts.uri,
+                    headers: &headers,
+                    body: &body,
+                    text_bytes,
+                    prompt: prompt.as_ref(),
+                    block_names: decision.block_names.as_ref(),
+                    span: span.as_ref(),
+                },
+            )
+            .await
+            .and_then(|params| disagg::decode_body(&body, &params))
+            .unwrap_or_else(|| body.clone()),
             None => body.clone(),
         };
         let upstream =
