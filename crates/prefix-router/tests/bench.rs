@@ -1,7 +1,10 @@
 //! `prefix-router bench`: a small comparison end to end (sims in-process, our router as
 //! processes of the real binary), and a trace written and replayed.
 
+mod common;
+
 use clap::Parser;
+use common::{fleet, instant};
 use prefix_bench::{CompareArgs, RunArgs};
 use serde_json::Value;
 
@@ -141,16 +144,7 @@ async fn a_small_comparison_ranks_prefix_routing_above_round_robin() {
     assert!(md.contains("Medians over 2 round(s)"), "{md}");
 
     // The trace of what was sent replays against a sim.
-    let sim = vllm_sim::Fleet::start(
-        vllm_sim::SimConfig {
-            time_scale: 0.0,
-            ..vllm_sim::SimConfig::default()
-        },
-        1,
-        std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-    )
-    .await
-    .unwrap();
+    let sim = fleet(instant(), 1).await;
     let url = sim.urls()[0].clone();
     let run = Run::parse_from([
         "run",
@@ -177,16 +171,7 @@ async fn a_small_comparison_ranks_prefix_routing_above_round_robin() {
 /// the chunks that carry text (it was 0 output tokens a second).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streamed_completions_without_usage_count_their_output() {
-    let sim = vllm_sim::Fleet::start(
-        vllm_sim::SimConfig {
-            time_scale: 0.0,
-            ..vllm_sim::SimConfig::default()
-        },
-        1,
-        std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-    )
-    .await
-    .unwrap();
+    let sim = fleet(instant(), 1).await;
     let url = sim.urls()[0].clone();
     let trace = std::env::temp_dir().join(format!("stream-trace-{}.jsonl", std::process::id()));
     let lines: Vec<String> = (0..3)
@@ -223,16 +208,7 @@ async fn streamed_completions_without_usage_count_their_output() {
 /// sent, and a session's later turns hit the history its earlier ones left (one server).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_sessions_send_every_turn_retry_and_one_off() {
-    let sim = vllm_sim::Fleet::start(
-        vllm_sim::SimConfig {
-            time_scale: 0.0,
-            ..vllm_sim::SimConfig::default()
-        },
-        1,
-        std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-    )
-    .await
-    .unwrap();
+    let sim = fleet(instant(), 1).await;
     let url = sim.urls()[0].clone();
     let run = Run::parse_from([
         "run",

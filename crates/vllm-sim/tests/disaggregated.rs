@@ -2,19 +2,15 @@
 //! the prefill's answer names its blocks, the decode pulls them, and prefills on a server hold
 //! up its decoding sequences.
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use reqwest::Client;
 use serde_json::{json, Value};
-use vllm_sim::{Fleet, SimConfig};
+use vllm_sim::SimConfig;
 
-async fn fleet(config: SimConfig, n: usize) -> Fleet {
-    Fleet::start(config, n, SocketAddr::from(([127, 0, 0, 1], 0)))
-        .await
-        .unwrap()
-}
+mod support;
+use support::{fleet, instant, metric};
 
 async fn post(url: &str, body: &Value) -> Value {
     let resp = Client::new()
@@ -25,19 +21,6 @@ async fn post(url: &str, body: &Value) -> Value {
         .unwrap();
     assert!(resp.status().is_success(), "{}", resp.status());
     resp.json().await.unwrap()
-}
-
-async fn metric(url: &str, name: &str) -> f64 {
-    let text = reqwest::get(format!("{url}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 /// A prefill on `p` for a decode elsewhere: its answer's `kv_transfer_params`.
@@ -53,14 +36,7 @@ async fn prefill(p: &str, prompt: &str) -> Value {
 
 #[tokio::test]
 async fn a_decode_pulls_the_blocks_its_prefill_named_and_keeps_them() {
-    let sims = fleet(
-        SimConfig {
-            time_scale: 0.0,
-            ..SimConfig::default()
-        },
-        2,
-    )
-    .await;
+    let sims = fleet(instant(), 2).await;
     let (p, d) = (sims.urls()[0].clone(), sims.urls()[1].clone());
     // 1,000 bytes: 250 tokens, 15 full blocks of 16.
     let prompt = "abcd".repeat(250);
@@ -105,14 +81,7 @@ async fn a_decode_pulls_the_blocks_its_prefill_named_and_keeps_them() {
 
 #[tokio::test]
 async fn blocks_of_another_prompt_carry_nothing() {
-    let sims = fleet(
-        SimConfig {
-            time_scale: 0.0,
-            ..SimConfig::default()
-        },
-        2,
-    )
-    .await;
+    let sims = fleet(instant(), 2).await;
     let (p, d) = (sims.urls()[0].clone(), sims.urls()[1].clone());
     let params = prefill(&p, &"abcd".repeat(250)).await;
     let answer = post(

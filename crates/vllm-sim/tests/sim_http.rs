@@ -1,24 +1,13 @@
 //! The simulator over HTTP: vLLM's surface, cache accounting, queueing, faults.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use reqwest::{Client, StatusCode};
 use serde_json::{json, Value};
-use vllm_sim::{Fleet, SimConfig};
+use vllm_sim::SimConfig;
 
-fn fast() -> SimConfig {
-    SimConfig {
-        time_scale: 0.0,
-        ..SimConfig::default()
-    }
-}
-
-async fn fleet(config: SimConfig, n: usize) -> Fleet {
-    Fleet::start(config, n, SocketAddr::from(([127, 0, 0, 1], 0)))
-        .await
-        .unwrap()
-}
+mod support;
+use support::{fleet, instant, metric};
 
 async fn post(url: &str, path: &str, body: Value) -> (StatusCode, Value) {
     let resp = Client::new()
@@ -29,20 +18,6 @@ async fn post(url: &str, path: &str, body: Value) -> (StatusCode, Value) {
         .unwrap();
     let status = resp.status();
     (status, resp.json().await.unwrap_or(Value::Null))
-}
-
-/// Reads a metric's value (summed over label sets) from `/metrics`.
-async fn metric(url: &str, name: &str) -> f64 {
-    let text = reqwest::get(format!("{url}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 /// `len` bytes of text unique to `seed`.
@@ -64,7 +39,7 @@ fn completion(prompt: &str, max_tokens: u64) -> Value {
 
 #[tokio::test]
 async fn cache_accounting_matches_vllm() {
-    let fleet = fleet(fast(), 1).await;
+    let fleet = fleet(instant(), 1).await;
     let url = &fleet.urls()[0];
     // 1,002 bytes = 251 tokens = 15 full blocks of 16 and 11 tokens more.
     let prompt = text(1, 1002);
@@ -177,7 +152,7 @@ async fn eviction_under_pressure_is_least_recently_used() {
     let fleet = fleet(
         SimConfig {
             kv_blocks: 40,
-            ..fast()
+            ..instant()
         },
         1,
     )
@@ -226,7 +201,7 @@ fn sse_events(body: &str) -> Vec<Value> {
 
 #[tokio::test]
 async fn streaming_is_shaped_like_vllm() {
-    let fleet = fleet(fast(), 1).await;
+    let fleet = fleet(instant(), 1).await;
     let url = &fleet.urls()[0];
     let resp = Client::new()
         .post(format!("{url}/v1/chat/completions"))
@@ -293,7 +268,7 @@ async fn streaming_is_shaped_like_vllm() {
 
 #[tokio::test]
 async fn api_surface_and_errors() {
-    let fleet = fleet(fast(), 2).await;
+    let fleet = fleet(instant(), 2).await;
     let url = &fleet.urls()[1];
     let models: Value = reqwest::get(format!("{url}/v1/models"))
         .await
@@ -394,7 +369,7 @@ async fn api_surface_and_errors() {
 
 #[tokio::test]
 async fn faults_fail_stall_kill_and_revive() {
-    let fleet = fleet(fast(), 1).await;
+    let fleet = fleet(instant(), 1).await;
     let url = &fleet.urls()[0];
     let resp = Client::new()
         .post(format!("{url}/v1/completions"))
@@ -437,7 +412,7 @@ async fn faults_fail_stall_kill_and_revive() {
     let failing = self::fleet(
         SimConfig {
             fail_rate: 1.0,
-            ..fast()
+            ..instant()
         },
         1,
     )
@@ -546,7 +521,7 @@ async fn an_api_key_guards_the_v1_paths_only() {
     let sims = fleet(
         SimConfig {
             api_key: Some("sim-secret".into()),
-            ..fast()
+            ..instant()
         },
         1,
     )

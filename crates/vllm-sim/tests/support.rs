@@ -50,3 +50,32 @@ pub async fn run_python(python: &PathBuf, script: &str, args: &[&str]) -> String
     );
     stdout
 }
+
+/// Sims that answer at once (no simulated time).
+pub fn instant() -> vllm_sim::SimConfig {
+    vllm_sim::SimConfig {
+        time_scale: 0.0,
+        ..vllm_sim::SimConfig::default()
+    }
+}
+
+/// `n` sims on free loopback ports.
+pub async fn fleet(config: vllm_sim::SimConfig, n: usize) -> vllm_sim::Fleet {
+    vllm_sim::Fleet::start(config, n, std::net::SocketAddr::from(([127, 0, 0, 1], 0)))
+        .await
+        .unwrap()
+}
+
+/// A metric's value from a server's `/metrics`, summed over its label sets.
+pub async fn metric(url: &str, name: &str) -> f64 {
+    let text = reqwest::get(format!("{url}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
