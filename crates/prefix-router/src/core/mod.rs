@@ -90,7 +90,8 @@ pub struct Decision {
     /// The request's token-block names (precise mode), to credit where it is sent.
     pub block_names: Option<events::BlockNames>,
     /// Prompt tokens each backend of `order` would have to compute (what it does not hold),
-    /// where the request's matches are known; else empty.
+    /// where the request's matches are known; else empty. Zero for decode servers that pull
+    /// the prompt from a prefill server.
     pub uncached: Vec<u64>,
     /// In a disaggregated fleet (`order` then holds the decode servers): whether a prefill
     /// server computes the prompt first, and which ones to try.
@@ -501,6 +502,10 @@ impl Core {
             choice,
             outcome.label(),
         );
+        if prefill.is_some() {
+            // A decode server that pulls the prompt computes none of it.
+            decision.uncached = vec![0; decision.order.len()];
+        }
         decision.pd = Some(outcome);
         decision.prefill = prefill;
         decision

@@ -291,11 +291,7 @@ impl Exchange {
             Attempt {
                 backend: &backend,
                 load_eased,
-                // A decode server that pulls the prompt computes none of it.
-                uncached: match &decision.prefill {
-                    Some(_) => Some(0),
-                    None => decision.uncached.first().copied(),
-                },
+                uncached: decision.uncached.first().copied(),
                 text_bytes,
                 stream,
                 teaches_line: decision.prefill.is_none(),
@@ -546,10 +542,7 @@ impl Picker {
             Attempt {
                 backend: &backend,
                 load_eased: None,
-                uncached: match sent.prefilled {
-                    true => Some(0),
-                    false => sent.uncached.get(at).copied(),
-                },
+                uncached: sent.uncached.get(at).copied(),
                 text_bytes: sent.text_bytes,
                 stream: sent.stream,
                 teaches_line: !sent.prefilled,

@@ -407,11 +407,7 @@ async fn forward(
             Attempt {
                 backend: &backend,
                 load_eased: load_eased.clone(),
-                // A decode server that will pull the prompt computes none of it.
-                uncached: match &decision.prefill {
-                    Some(_) => Some(0),
-                    None => decision.uncached.get(attempt).copied(),
-                },
+                uncached: decision.uncached.get(attempt).copied(),
                 text_bytes,
                 stream,
                 teaches_line: decision.prefill.is_none(),
